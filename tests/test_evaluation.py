@@ -1,0 +1,117 @@
+"""Fast tests of the evaluation maths: pass@k, maj@k and summaries, against values worked by hand."""
+import math
+
+import pytest
+
+from grpo.evaluation import EvalConfig, maj_at_k, majority_answer, pass_at_k, summarize
+
+
+# pass@k = 1 - C(n-c, k) / C(n, k), each expected value below worked out by hand.
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (5, 2, 1, 2 / 5),  # pass@1 is the plain success frequency c/n
+        (5, 2, 2, 1 - 3 / 10),  # C(3,2)=3, C(5,2)=10
+        (5, 2, 3, 1 - 1 / 10),  # C(3,3)=1, C(5,3)=10
+        (5, 2, 4, 1.0),  # n-c=3 < k: every 4-subset holds a correct sample
+        (10, 3, 5, 1 - 21 / 252),  # C(7,5)=21, C(10,5)=252
+        (4, 1, 4, 1.0),  # k = n with one correct sample: the only subset is all of them
+        (4, 0, 4, 0.0),  # k = n, c = 0
+        (10, 0, 3, 0.0),  # c = 0
+        (10, 0, 1, 0.0),  # c = 0, k = 1
+        (3, 3, 1, 1.0),  # c = n
+        (1, 1, 1, 1.0),
+        (1, 0, 1, 0.0),
+        (50, 1, 1, 1 / 50),  # the paper's K = 50 with a single success
+        (50, 1, 50, 1.0),  # k = n = 50
+    ],
+)
+def test_pass_at_k_hand_values(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_stable_for_large_n():
+    # C(2000, 10) is ~2.8e26: the product form must agree with exact big-integer arithmetic.
+    n, c, k = 2000, 5, 10
+    exact = 1 - math.comb(n - c, k) / math.comb(n, k)
+    assert pass_at_k(n, c, k) == pytest.approx(exact, rel=1e-12)
+    # n = 10000, c = 1, k = 1: 1/10000 exactly.
+    assert pass_at_k(10000, 1, 1) == pytest.approx(1e-4, rel=1e-12)
+
+
+@pytest.mark.parametrize("n, c, k", [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError):
+        pass_at_k(n, c, k)
+
+
+# Hand-made answers: the gold is "5".
+ANSWERS = ["3", "5", "5", None, "3", "3"]
+CORRECT = [False, True, True, False, False, False]
+
+
+@pytest.mark.parametrize(
+    "k, expected",
+    [
+        (1, 0.0),  # {"3"}: wrong
+        (2, 0.0),  # "3" and "5" tie at one vote each: the first seen, "3", wins
+        (3, 1.0),  # "5" has two votes against one
+        (4, 1.0),  # None does not vote: still "5" 2-1
+        (5, 0.0),  # "3" and "5" tie at 2: "3" came first
+        (6, 0.0),  # "3" has three votes
+    ],
+)
+def test_maj_at_k_hand_made_answers(k, expected):
+    assert maj_at_k(ANSWERS, CORRECT, k) == expected
+
+
+def test_majority_answer_ignores_missing_answers():
+    assert majority_answer([None, None, "7"]) == "7"
+    assert majority_answer([None, ""]) is None
+    assert maj_at_k([None, None], [False, False], 2) == 0.0
+
+
+def _record(correct, extracted, n_tokens, finish_reasons, rewards=None):
+    return {
+        "correct": correct,
+        "extracted": extracted,
+        "n_tokens": n_tokens,
+        "finish_reasons": finish_reasons,
+        "rewards": rewards if rewards is not None else [float(x) for x in correct],
+    }
+
+
+def test_summary_of_hand_made_records():
+    records = [
+        _record([True, False, False, True], ["4", "5", "5", "4"], [10, 20, 30, 40], ["stop", "length", "stop", "stop"]),
+        _record([False] * 4, ["1", None, "2", "1"], [5, 5, 5, 5], ["length"] * 4),
+    ]
+    s = summarize(records, pass_k=[1, 2, 4, 8])
+    assert s["n_problems"] == 2 and s["samples_per_problem"] == 4 and s["n_samples"] == 8
+    assert s["pass@1"] == pytest.approx((2 / 4 + 0) / 2)
+    assert s["pass@2"] == pytest.approx((1 - 1 / 6 + 0) / 2)  # problem 1: 1 - C(2,2)/C(4,2)
+    assert s["pass@4"] == pytest.approx((1 + 0) / 2)
+    assert "pass@8" not in s  # k > K is left out
+    # maj@4: problem 1 ties "4" vs "5" at 2, "4" came first and is correct; problem 2 votes "1", wrong.
+    assert s["maj@4"] == pytest.approx(0.5)
+    assert s["maj@1"] == pytest.approx(0.5)
+    assert s["maj@2"] == pytest.approx(0.5)  # "4" vs "5" tie -> "4"
+    assert s["mean_completion_tokens"] == pytest.approx((100 + 20) / 8)
+    assert s["truncation_rate"] == pytest.approx(5 / 8)
+    assert s["extraction_rate"] == pytest.approx(7 / 8)
+    assert s["reward_mean"] == pytest.approx(2 / 8)
+
+
+def test_summary_rejects_empty_records():
+    with pytest.raises(ValueError, match="no records"):
+        summarize([], pass_k=[1])
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [({"k": 0}, "k"), ({"temperature": -1.0}, "temperature"), ({"pass_k": [0]}, "pass_k"),
+     ({"subset": "last"}, "subset"), ({"n_problems": 0}, "n_problems"), ({"top_p": 0.0}, "top_p")],
+)
+def test_eval_config_validation_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        EvalConfig(**overrides)
