@@ -115,3 +115,41 @@ def test_summary_rejects_empty_records():
 def test_eval_config_validation_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         EvalConfig(**overrides)
+
+
+def _run_plot(args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "plot.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_plot_script_draws_reward_and_eval_panels(tmp_path):
+    import json
+
+    for name in ("v1-i1", "v10-i1"):
+        run = tmp_path / name
+        run.mkdir()
+        with open(run / "metrics.jsonl", "w") as f:
+            for step in range(1, 11):
+                row = {"step": step, "reward_mean": 0.1 * step}
+                if step % 5 == 0:  # eval only every 5 steps, as in training
+                    row["eval/pass@1"] = 0.05 * step
+                f.write(json.dumps(row) + "\n")
+    out = tmp_path / "fig.png"
+    result = _run_plot([str(tmp_path / "v1-i1"), str(tmp_path / "v10-i1"), "--out", str(out), "--smooth", "0.5"])
+    assert result.returncode == 0, result.stderr
+    assert "reward_mean, eval/pass@1 for 2 run(s)" in result.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_script_bad_input_is_one_readable_line(tmp_path):
+    result = _run_plot([str(tmp_path / "missing-run")])
+    assert result.returncode != 0
+    assert result.stderr.strip().count("\n") == 0 and "missing-run: no metrics.jsonl" in result.stderr
+    bad = tmp_path / "metrics.jsonl"
+    bad.write_text('{"step": 1, "reward_mean": 0.5}\nnot json\n')
+    result = _run_plot([str(bad)])
+    assert result.returncode != 0 and "metrics.jsonl:2: not valid JSON" in result.stderr
