@@ -1,0 +1,185 @@
+"""Typed configs: dataclasses loaded from YAML, with dotted command-line overrides.
+
+Each component module owns a small dataclass for its own knobs (torchtitan style); this
+module only knows how to fill a dataclass tree from YAML + `a.b=c` overrides and how to
+report a mistake so that the user can find it: every error names the file and the dotted key.
+
+Convention for components: validate in `__post_init__` and raise `ValueError("<field>: why")`;
+the loader prefixes the section path and the file, e.g.
+`configs/x.yaml: grpo.v: must be >= 1, got 0`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names key and source."""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check `value` against the annotation `tp`, converting only where lossless (int -> float)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, source)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{source}: {key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{source}: {key}: must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: {key}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"{source}: {key}: expected {len(args)} items, got {len(value)}")
+            return tuple(_coerce(v, a, f"{key}[{i}]", source) for i, (v, a) in enumerate(zip(value, args)))
+        item_tp = args[0] if args else Any
+        out = [_coerce(v, item_tp, f"{key}[{i}]", source) for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key}: expected a section (mapping), got {value!r}")
+        return _build(tp, value, source, prefix=key + ".")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: {key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: {key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        # YAML 1.1 reads `1e-6` (no dot) as a string; accept it as the number everyone means.
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{source}: {key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{source}: {key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{source}: {key}: unsupported annotation {tp!r}")
+
+
+def _build(cls: type, data: dict, source: str, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key {prefix}{unknown[0]} (known in {prefix.rstrip('.') or 'top level'}: "
+            f"{', '.join(sorted(fields))})"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], prefix + name, source)
+    # Sections left out of the file still get built, so their defaults are validated too.
+    for name, f in fields.items():
+        if name not in kwargs and dataclasses.is_dataclass(hints[name]) and f.default is dataclasses.MISSING \
+                and f.default_factory is dataclasses.MISSING:
+            kwargs[name] = _build(hints[name], {}, source, prefix + name + ".")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{source}: {prefix}{e}") from None
+
+
+def _parse_override_value(text: str) -> Any:
+    # YAML gives the natural reading of `1e-6`, `true`, `null`, `[1, 2]`; a bare word stays a string.
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value) if value.strip().lower() not in ("nan", "inf", "-inf") else value
+        except ValueError:
+            return text if text.strip() != value else value
+    return value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` strings to a nested dict (in place) and return it."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"command line: override {item!r} is not of the form key=value")
+        key, _, text = item.partition("=")
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"command line: {key}: {p} is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_override_value(text)
+    return data
+
+
+def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None):
+    """Build `cls` from a YAML file (optional) and dotted overrides; raises ConfigError."""
+    data: dict = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"{source}: config file not found")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: top level must be a mapping of sections")
+        data = loaded
+    if overrides:
+        source = f"{source} + command line" if path is not None else "command line"
+        apply_overrides(data, overrides)
+    return _build(cls, data, source)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config (every default filled in) as YAML, next to the run's outputs."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # json round-trip turns tuples into lists so the YAML is plain and reloadable.
+    plain = json.loads(json.dumps(to_dict(cfg)))
+    path.write_text(yaml.safe_dump(plain, sort_keys=False))

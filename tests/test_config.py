@@ -1,0 +1,84 @@
+"""The config loader: types, unknown keys, bad values and overrides all name the key and the file."""
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import pytest
+
+from grpo.config import ConfigError, apply_overrides, load_config, save_config
+
+
+@dataclass
+class Inner:
+    v: int = 1  # push weights every v iterations
+    eps: float = 0.2
+    mode: Literal["exact", "approx"] = "approx"
+    cap: Optional[float] = None
+
+    def __post_init__(self):
+        if self.v < 1:
+            raise ValueError(f"v: must be >= 1, got {self.v}")
+        if self.eps < 0:
+            raise ValueError(f"eps: must be >= 0, got {self.eps}")
+
+
+@dataclass
+class Outer:
+    name: str = "run"
+    tags: list[str] = field(default_factory=list)
+    grpo: Inner = field(default_factory=Inner)
+
+
+def write(tmp_path, text):
+    p = tmp_path / "x.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_yaml_and_overrides(tmp_path):
+    p = write(tmp_path, "name: a\ngrpo:\n  v: 3\n  eps: 1\n")
+    cfg = load_config(Outer, p, ["grpo.v=10", "grpo.mode=exact", "grpo.cap=2.5", "tags=[x, y]"])
+    assert cfg.name == "a"
+    assert cfg.grpo.v == 10 and cfg.grpo.mode == "exact" and cfg.grpo.cap == 2.5
+    assert cfg.grpo.eps == 1.0 and isinstance(cfg.grpo.eps, float)  # int widened to float
+    assert cfg.tags == ["x", "y"]
+
+
+def test_override_scientific_and_null():
+    data = apply_overrides({}, ["a.lr=1e-6", "a.cap=null", "a.flag=true", "a.s=hello"])
+    assert data == {"a": {"lr": 1e-6, "cap": None, "flag": True, "s": "hello"}}
+
+
+@pytest.mark.parametrize(
+    "text,overrides,expected",
+    [
+        ("grpo:\n  vv: 3\n", [], "x.yaml: unknown key grpo.vv"),
+        ("nme: a\n", [], "x.yaml: unknown key nme"),
+        ("grpo:\n  v: 0\n", [], "x.yaml: grpo.v: must be >= 1, got 0"),
+        ("grpo:\n  v: two\n", [], "x.yaml: grpo.v: expected an integer, got 'two'"),
+        ("grpo:\n  v: 1.5\n", [], "grpo.v: expected an integer"),
+        ("grpo:\n  eps: -0.1\n", [], "grpo.eps: must be >= 0"),
+        ("grpo:\n  mode: both\n", [], "grpo.mode: must be one of ['exact', 'approx']"),
+        ("grpo: 3\n", [], "grpo: expected a section"),
+        ("", ["grpo.v=-1"], "x.yaml + command line: grpo.v: must be >= 1, got -1"),
+        ("", ["grpo.eps"], "not of the form key=value"),
+    ],
+)
+def test_errors_name_key_and_file(tmp_path, text, overrides, expected):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(Outer, p, overrides)
+    assert expected in str(e.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml: config file not found"):
+        load_config(Outer, tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(Outer, write(tmp_path, "grpo: [1,\n"))
+
+
+def test_saved_config_reloads_identically(tmp_path):
+    cfg = load_config(Outer, write(tmp_path, "grpo:\n  v: 4\n"), ["tags=[a]"])
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    again = load_config(Outer, tmp_path / "run" / "config.yaml")
+    assert again == cfg
