@@ -1,0 +1,156 @@
+"""The one dispatch point of the fused kernels: Triton on CUDA, plain torch on CPU.
+
+    token_logprobs(logits, targets, temperature, logp_alpha, with_entropy)  -> (logp, log_ratio, entropy)
+    lm_head_logprobs(hidden, weight, targets, temperature, chunk_tokens, with_entropy) -> (logp, entropy)
+    grpo_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg)  -> (loss, stats)
+
+backend: "auto" (Triton for CUDA tensors, torch otherwise), "triton" (also on CPU tensors when
+TRITON_INTERPRET=1 was set before triton was imported: how the tests run the kernels), "torch".
+Every op is in its own module: kernels/logprobs.py, kernels/lm_head.py, kernels/loss.py, each with
+its Triton kernels, its torch implementation and its autograd.Function.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+from .lm_head import LMHeadLogprobs
+from .logprobs import LogprobImpl, TokenLogprobs
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass
+class KernelConfig:
+    """Knobs of the fused kernels; the defaults are what the trainer should use."""
+
+    backend: Literal["auto", "triton", "torch"] = "auto"  # auto: Triton on CUDA tensors, torch on CPU
+    chunk_tokens: int = 256  # tokens per LM-head chunk: one [chunk_tokens, V] logits block alive at a time
+    rows_per_program: Optional[int] = None  # rows per Triton program; None: 1 on GPU, 16 in the interpreter
+    block_v: Optional[int] = None  # vocab columns per Triton tile (power of 2); None: 4096 GPU, 2048 interpreter
+    num_warps: int = 8  # warps per Triton program of the log-prob kernels
+    loss_block: int = 1024  # tokens per Triton program of the loss kernel (power of 2)
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens: must be an integer >= 1, got {self.chunk_tokens!r}")
+        if self.rows_per_program is not None and not _is_pow2(self.rows_per_program):
+            raise ValueError(f"rows_per_program: must be a power of 2 (a Triton tile dim), got {self.rows_per_program!r}")
+        if self.block_v is not None and (not _is_pow2(self.block_v) or self.block_v < 16):
+            raise ValueError(f"block_v: must be a power of 2 >= 16, got {self.block_v!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps: must be a power of 2 in [1, 32], got {self.num_warps!r}")
+        if not _is_pow2(self.loss_block) or self.loss_block < 16:
+            raise ValueError(f"loss_block: must be a power of 2 >= 16, got {self.loss_block!r}")
+
+
+def _is_pow2(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and (x & (x - 1)) == 0
+
+
+def triton_interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'triton' or 'torch' for tensors on `device`; a clear error when Triton cannot run there."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and not triton_interpreter_on():
+        raise ValueError(
+            f"backend: 'triton' on a {device.type} tensor needs the Triton interpreter "
+            "(TRITON_INTERPRET=1 in the environment before triton is imported); use 'torch' or 'auto'"
+        )
+    return backend
+
+
+def _pick(backend: str, config: Optional[KernelConfig]) -> KernelConfig:
+    config = config or KernelConfig()
+    if backend != "auto":
+        config = KernelConfig(**{**config.__dict__, "backend": backend})
+    return config
+
+
+def _logprob_impl(backend: str, config: KernelConfig, device: torch.device, n_cols: int) -> LogprobImpl:
+    resolved = resolve_backend(config.backend if backend == "auto" else backend, device)
+    if resolved == "torch":
+        return LogprobImpl("torch")
+    on_gpu = device.type == "cuda"
+    rows = config.rows_per_program or (1 if on_gpu else 16)
+    block_v = min(config.block_v or (4096 if on_gpu else 2048), max(16, 1 << (n_cols - 1).bit_length()))
+    return LogprobImpl("triton", rows_per_program=rows, block_v=block_v, num_warps=config.num_warps)
+
+
+def _check_targets(targets: torch.Tensor, n_rows: int, n_cols: int, what: str):
+    if targets.dim() != 1 or targets.shape[0] != n_rows:
+        raise ValueError(f"targets: expected shape [{n_rows}] (one id per row of {what}), got {list(targets.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets: expected int64 or int32 token ids, got {targets.dtype}")
+    if n_rows and int(targets.max()) >= n_cols:
+        raise ValueError(f"targets: id {int(targets.max())} out of range for a vocabulary of {n_cols}")
+
+
+def _check_temperature(temperature: float) -> float:
+    if not temperature > 0:
+        raise ValueError(f"temperature: must be > 0, got {temperature!r}")
+    return 1.0 / float(temperature)
+
+
+def token_logprobs(logits, targets, temperature=1.0, logp_alpha=None, with_entropy=False, backend="auto",
+                   config: Optional[KernelConfig] = None):
+    """Log-prob of each row's target under softmax(logits / temperature).
+
+    logits [N, V] fp32/bf16/fp16 (any row stride, columns contiguous), targets [N] int (negative =
+    ignored row: logp 0, no gradient). Returns (logp [N] fp32, logp - logp_alpha [N] fp32 or None,
+    entropy [N] fp32 or None); all three differentiable w.r.t. logits. `backend` other than "auto"
+    overrides config.backend."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [N, V], got shape {list(logits.shape)} (flatten batch and time first)")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    n_rows, n_cols = logits.shape
+    _check_targets(targets, n_rows, n_cols, "logits")
+    if logp_alpha is not None and logp_alpha.shape != (n_rows,):
+        raise ValueError(f"logp_alpha: expected shape [{n_rows}], got {list(logp_alpha.shape)}")
+    inv_temperature = _check_temperature(temperature)
+    config = _pick(backend, config)
+    impl = _logprob_impl(config.backend, config, logits.device, n_cols)
+    targets = targets.contiguous()
+    if logp_alpha is not None:
+        logp_alpha = logp_alpha.detach().float().contiguous()
+    logp, log_ratio, entropy = TokenLogprobs.apply(logits, targets, logp_alpha, inv_temperature,
+                                                   bool(with_entropy), impl)
+    return logp, log_ratio, entropy
+
+
+def lm_head_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None, with_entropy=False,
+                     backend="auto", config: Optional[KernelConfig] = None):
+    """token_logprobs(hidden @ weight^T, ...) without materialising the [N, V] logits.
+
+    hidden [N, H], weight [V, H] (same dtype), targets [N]. Returns (logp [N] fp32, entropy [N] fp32
+    or None), differentiable w.r.t. hidden and weight. chunk_tokens (default config.chunk_tokens)
+    bounds the live logits to [chunk_tokens, V]."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden/weight: expected [N, H] and [V, H], got {list(hidden.shape)} and {list(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden/weight: dtypes differ ({hidden.dtype} vs {weight.dtype}); cast one first")
+    n_rows, n_cols = hidden.shape[0], weight.shape[0]
+    _check_targets(targets, n_rows, n_cols, "hidden")
+    inv_temperature = _check_temperature(temperature)
+    config = _pick(backend, config)
+    if chunk_tokens is not None:
+        config = KernelConfig(**{**config.__dict__, "chunk_tokens": chunk_tokens})
+    impl = _logprob_impl(config.backend, config, hidden.device, n_cols)
+    logp, entropy = LMHeadLogprobs.apply(hidden, weight, targets.contiguous(), inv_temperature,
+                                         bool(with_entropy), config.chunk_tokens, impl)
+    return logp, entropy
+
+
+__all__ = ["KernelConfig", "token_logprobs", "lm_head_logprobs", "resolve_backend", "BACKENDS"]

@@ -1,0 +1,266 @@
+"""Per-token log-probabilities of sampled tokens from logits [N, V], without a [N, V] temporary.
+
+Maths (z = logits / T, T the sampling temperature, so logp matches what vLLM sampled from):
+
+    lse_i     = logsumexp_j z_ij
+    logp_i    = z_i,t_i - lse_i                        (log pi_theta(o_t | q, o_<t))
+    entropy_i = -sum_j p_ij log p_ij,   p = softmax(z)
+
+    d logp_i    / d logits_ij = (onehot_ij - p_ij) / T
+    d entropy_i / d logits_ij = -p_ij (log p_ij + entropy_i) / T
+
+The entropy is differentiable (its gradient costs one extra FMA per element in the backward pass).
+A negative target id (e.g. -100) marks an ignored row: its logp (and log-ratio) is 0 and it gets no
+log-prob gradient; its entropy is still computed, since it does not depend on the target.
+
+Two implementations of the same (forward, backward) pair, chosen by `kernels.__init__`:
+  * torch: readable, row-blocked so temporaries stay ~16 MB whatever N and V are; the CPU path.
+  * Triton: one pass over V per row with an online max/sum (flash-softmax style); the GPU path,
+    and the path tests run under TRITON_INTERPRET=1.
+Both backward functions write dlogits into a caller-given `out`, which may alias `logits` (the
+fused LM-head path overwrites its chunk of logits with their gradient), so the only full-size
+allocation of the backward is the gradient itself.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows of logits handled per torch block: temporaries stay near this many fp32 elements (16 MB).
+TORCH_BLOCK_ELEMS = 1 << 22
+
+
+# --------------------------------------------------------------------------- torch reference
+
+
+def _row_blocks(n_rows: int, n_cols: int):
+    rows = max(1, TORCH_BLOCK_ELEMS // max(n_cols, 1))
+    for r0 in range(0, n_rows, rows):
+        yield r0, min(n_rows, r0 + rows)
+
+
+def torch_forward(logits, targets, inv_temperature, with_entropy, logp_alpha=None):
+    """(logp, lse, entropy or None, log_ratio or None), each [N] fp32, plain torch, block by block."""
+    n_rows, n_cols = logits.shape
+    logp = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if with_entropy else None
+    for r0, r1 in _row_blocks(n_rows, n_cols):
+        z = logits[r0:r1].float() * inv_temperature
+        lse[r0:r1] = torch.logsumexp(z, dim=-1)
+        t = targets[r0:r1]
+        valid = t >= 0
+        z_target = z.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
+        logp[r0:r1] = torch.where(valid, z_target - lse[r0:r1], 0.0)
+        if with_entropy:
+            # entr(p) = -p log p, and 0 where p == 0 (a -inf logit), so no nan from 0 * -inf.
+            entropy[r0:r1] = torch.special.entr(torch.softmax(z, dim=-1)).sum(-1)
+    log_ratio = None
+    if logp_alpha is not None:
+        log_ratio = torch.where(targets >= 0, logp - logp_alpha.float(), 0.0)
+    return logp, lse, entropy, log_ratio
+
+
+def torch_backward(logits, targets, lse, grad_logp, entropy, grad_entropy, inv_temperature, out):
+    """Write dlogits = (g (onehot - p) - g_H p (log p + H)) / T into `out` (may alias logits).
+
+    grad_logp [N] fp32 must already be 0 on ignored rows; grad_entropy is None when the entropy
+    is not differentiated."""
+    n_rows, n_cols = logits.shape
+    for r0, r1 in _row_blocks(n_rows, n_cols):
+        # Read the block fully into a temporary before writing `out`, which may be the same memory.
+        log_p = logits[r0:r1].float() * inv_temperature - lse[r0:r1, None]
+        p = log_p.exp()
+        g = grad_logp[r0:r1]
+        dz = p * (-g[:, None])
+        t = targets[r0:r1]
+        valid = t >= 0
+        dz[valid, t[valid]] += g[valid]
+        if grad_entropy is not None:
+            h_term = torch.where(p > 0, p * (log_p + entropy[r0:r1, None]), 0.0)
+            dz -= grad_entropy[r0:r1, None] * h_term
+        out[r0:r1] = dz * inv_temperature
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+
+@triton.jit
+def logprob_fwd_kernel(
+    logits_ptr, stride_logits_row, targets_ptr, logp_alpha_ptr,
+    logp_ptr, lse_ptr, log_ratio_ptr, entropy_ptr,
+    n_rows, n_cols, inv_temperature,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_ALPHA: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+):
+    # int64 row offsets: row * stride overflows int32 at Qwen sizes (2048 * 151936 > 2^31 / 8).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_mask = rows < n_rows
+    row_ptrs = logits_ptr + rows * stride_logits_row
+    cols = tl.arange(0, BLOCK_V)
+
+    # Online logsumexp: m = running max of z, s = sum exp(z - m),
+    # w = sum exp(z - m) (z - m)  so that entropy = log s - w / s (no cancellation at |z| ~ 1e4).
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    w = tl.zeros([ROWS], tl.float32)
+    for start in range(0, n_cols, BLOCK_V):
+        c = start + cols
+        mask = row_mask[:, None] & (c < n_cols)[None, :]
+        z = tl.load(row_ptrs[:, None] + c[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        z = z * inv_temperature
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        # Guard fully masked rows (past N): -inf - -inf would be nan.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(z - m_safe[:, None])
+        if WITH_ENTROPY:
+            shift = tl.where(m == float("-inf"), 0.0, m - m_safe)
+            pz = tl.where(p > 0, p * (z - m_safe[:, None]), 0.0)
+            w = alpha * (w + shift * s) + tl.sum(pz, axis=1)
+        s = alpha * s + tl.sum(p, axis=1)
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    log_s = tl.log(s)
+    lse = m_safe + log_s
+
+    targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+    valid = row_mask & (targets >= 0)
+    z_target = tl.load(logits_ptr + rows * stride_logits_row + targets, mask=valid, other=0.0)
+    logp = tl.where(valid, z_target.to(tl.float32) * inv_temperature - lse, 0.0)
+    tl.store(logp_ptr + rows, logp, mask=row_mask)
+    tl.store(lse_ptr + rows, lse, mask=row_mask)
+    if HAS_ALPHA:
+        logp_alpha = tl.load(logp_alpha_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        tl.store(log_ratio_ptr + rows, tl.where(valid, logp - logp_alpha, 0.0), mask=row_mask)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + rows, log_s - w / s, mask=row_mask)
+
+
+@triton.jit
+def logprob_bwd_kernel(
+    logits_ptr, stride_logits_row, dlogits_ptr, stride_dlogits_row, targets_ptr,
+    lse_ptr, grad_logp_ptr, entropy_ptr, grad_entropy_ptr,
+    n_rows, n_cols, inv_temperature,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WITH_ENTROPY_GRAD: tl.constexpr,
+):
+    # Each element is read then written by the same program, so dlogits may alias logits.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_V)
+    targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    g = tl.load(grad_logp_ptr + rows, mask=row_mask, other=0.0)
+    if WITH_ENTROPY_GRAD:
+        entropy = tl.load(entropy_ptr + rows, mask=row_mask, other=0.0)
+        g_entropy = tl.load(grad_entropy_ptr + rows, mask=row_mask, other=0.0)
+    for start in range(0, n_cols, BLOCK_V):
+        c = (start + cols).to(tl.int64)
+        mask = row_mask[:, None] & (c < n_cols)[None, :]
+        z = tl.load(logits_ptr + rows[:, None] * stride_logits_row + c[None, :], mask=mask, other=0.0)
+        log_p = z.to(tl.float32) * inv_temperature - lse[:, None]
+        p = tl.exp(log_p)
+        onehot = tl.where(c[None, :] == targets[:, None], 1.0, 0.0)
+        dz = g[:, None] * (onehot - p)
+        if WITH_ENTROPY_GRAD:
+            dz -= g_entropy[:, None] * tl.where(p > 0, p * (log_p + entropy[:, None]), 0.0)
+        dz = dz * inv_temperature
+        tl.store(dlogits_ptr + rows[:, None] * stride_dlogits_row + c[None, :],
+                 dz.to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+def _grid(n_rows, rows_per_program):
+    return (triton.cdiv(n_rows, rows_per_program),)
+
+
+def triton_forward(logits, targets, inv_temperature, with_entropy, logp_alpha=None, *,
+                   rows_per_program, block_v, num_warps):
+    """Same contract as torch_forward (+ log_ratio when logp_alpha is given), one Triton launch."""
+    n_rows, n_cols = logits.shape
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    logp, lse = torch.empty(n_rows, **f32), torch.empty(n_rows, **f32)
+    entropy = torch.empty(n_rows, **f32) if with_entropy else None
+    log_ratio = torch.empty(n_rows, **f32) if logp_alpha is not None else None
+    if n_rows == 0:
+        return logp, lse, entropy, log_ratio
+    logprob_fwd_kernel[_grid(n_rows, rows_per_program)](
+        logits, logits.stride(0), targets, logp_alpha if logp_alpha is not None else logp,
+        logp, lse, log_ratio if log_ratio is not None else logp, entropy if with_entropy else logp,
+        n_rows, n_cols, float(inv_temperature),
+        ROWS=rows_per_program, BLOCK_V=block_v,
+        HAS_ALPHA=logp_alpha is not None, WITH_ENTROPY=with_entropy, num_warps=num_warps,
+    )
+    return logp, lse, entropy, log_ratio
+
+
+def triton_backward(logits, targets, lse, grad_logp, entropy, grad_entropy, inv_temperature, out, *,
+                    rows_per_program, block_v, num_warps):
+    """Same contract as torch_backward, one Triton launch."""
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    with_entropy_grad = grad_entropy is not None
+    logprob_bwd_kernel[_grid(n_rows, rows_per_program)](
+        logits, logits.stride(0), out, out.stride(0), targets, lse, grad_logp,
+        entropy if with_entropy_grad else lse, grad_entropy if with_entropy_grad else lse,
+        n_rows, n_cols, float(inv_temperature),
+        ROWS=rows_per_program, BLOCK_V=block_v, WITH_ENTROPY_GRAD=with_entropy_grad,
+        num_warps=num_warps,
+    )
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class LogprobImpl:
+    """One backend's (forward, backward) pair with its launch parameters bound."""
+
+    def __init__(self, backend: str, rows_per_program: int = 1, block_v: int = 4096, num_warps: int = 8):
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"backend: must be 'torch' or 'triton', got {backend!r}")
+        self.backend = backend
+        self.launch = dict(rows_per_program=rows_per_program, block_v=block_v, num_warps=num_warps)
+
+    def forward(self, logits, targets, inv_temperature, with_entropy, logp_alpha=None):
+        if self.backend == "torch":
+            return torch_forward(logits, targets, inv_temperature, with_entropy, logp_alpha)
+        return triton_forward(logits, targets, inv_temperature, with_entropy, logp_alpha, **self.launch)
+
+    def backward(self, logits, targets, lse, grad_logp, entropy, grad_entropy, inv_temperature, out):
+        if self.backend == "torch":
+            return torch_backward(logits, targets, lse, grad_logp, entropy, grad_entropy, inv_temperature, out)
+        return triton_backward(logits, targets, lse, grad_logp, entropy, grad_entropy, inv_temperature, out,
+                               **self.launch)
+
+
+def merge_grads(targets, *grads):
+    """Sum the upstream gradients that exist (None = output unused) into one fp32 [N], 0 on ignored rows."""
+    present = [g.float() for g in grads if g is not None]
+    if not present:
+        return torch.zeros(targets.shape[0], dtype=torch.float32, device=targets.device)
+    total = present[0] if len(present) == 1 else sum(present)
+    return torch.where(targets >= 0, total, 0.0).contiguous()
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """logits [N, V] -> (logp [N], log_ratio [N] or None, entropy [N] or None), all fp32."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, logp_alpha, inv_temperature, with_entropy, impl):
+        logp, lse, entropy, log_ratio = impl.forward(logits, targets, inv_temperature, with_entropy, logp_alpha)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.inv_temperature, ctx.impl = inv_temperature, impl
+        ctx.set_materialize_grads(False)
+        return logp, log_ratio, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_log_ratio, grad_entropy):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        # d(logp - logp_alpha)/dlogits = dlogp/dlogits: logp_alpha is data from the sampler.
+        g = merge_grads(targets, grad_logp, grad_log_ratio)
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.float().contiguous()
+        dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        ctx.impl.backward(logits, targets, lse, g, entropy, grad_entropy, ctx.inv_temperature, dlogits)
+        return dlogits, None, None, None, None, None
