@@ -48,11 +48,15 @@ def torch_forward(logits, targets, inv_temperature, with_entropy, logp_alpha=Non
     entropy = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if with_entropy else None
     for r0, r1 in _row_blocks(n_rows, n_cols):
         z = logits[r0:r1].float() * inv_temperature
-        lse[r0:r1] = torch.logsumexp(z, dim=-1)
+        # logp = (z_t - max) - log sum exp(z - max): z_t - max is exact for nearby values, so logp
+        # keeps full precision even for logits ~1e4 (z_t - lse would lose ~1e-3 there).
+        z_max = z.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+        log_sum = torch.logsumexp(z - z_max, dim=-1)
+        lse[r0:r1] = z_max[:, 0] + log_sum
         t = targets[r0:r1]
         valid = t >= 0
         z_target = z.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
-        logp[r0:r1] = torch.where(valid, z_target - lse[r0:r1], 0.0)
+        logp[r0:r1] = torch.where(valid, (z_target - z_max[:, 0]) - log_sum, 0.0)
         if with_entropy:
             # entr(p) = -p log p, and 0 where p == 0 (a -inf logit), so no nan from 0 * -inf.
             entropy[r0:r1] = torch.special.entr(torch.softmax(z, dim=-1)).sum(-1)
@@ -128,7 +132,8 @@ def logprob_fwd_kernel(
     targets = tl.load(targets_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
     valid = row_mask & (targets >= 0)
     z_target = tl.load(logits_ptr + rows * stride_logits_row + targets, mask=valid, other=0.0)
-    logp = tl.where(valid, z_target.to(tl.float32) * inv_temperature - lse, 0.0)
+    # (z_t - m) - log s rather than z_t - lse: exact subtraction first, full precision at |z| ~ 1e4.
+    logp = tl.where(valid, (z_target.to(tl.float32) * inv_temperature - m_safe) - log_s, 0.0)
     tl.store(logp_ptr + rows, logp, mask=row_mask)
     tl.store(lse_ptr + rows, lse, mask=row_mask)
     if HAS_ALPHA:

@@ -1,0 +1,81 @@
+"""kernels.lm_head_logprobs (chunked, logits never whole) against the naive matmul + log_softmax +
+gather, values and gradients for hidden states and the lm_head weight, both backends."""
+import pytest
+import torch
+
+import kernels
+from kernels import KernelConfig
+
+BACKENDS = ["torch", "triton"]
+SMALL = KernelConfig(rows_per_program=8, block_v=128)
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def naive(hidden, weight, targets, temperature):
+    log_probs = torch.log_softmax((hidden @ weight.t()).float() / temperature, dim=-1)
+    valid = targets >= 0
+    logp = torch.where(valid, log_probs.gather(1, targets.clamp(min=0)[:, None])[:, 0], 0.0)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logp, entropy
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_matches_naive(backend, dtype):
+    torch.manual_seed(0)
+    n_tokens, hidden_size, vocab, temperature = 45, 32, 300, 0.9
+    hidden = torch.randn(n_tokens, hidden_size).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size) / hidden_size ** 0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (n_tokens,))
+    targets[-20:] = -100  # the last chunks are padding: their backward is skipped
+    g_logp, g_entropy = torch.randn(n_tokens), torch.randn(n_tokens)
+
+    logp, entropy = kernels.lm_head_logprobs(hidden, weight, targets, temperature, chunk_tokens=16,
+                                             with_entropy=True, backend=backend, config=SMALL)
+    grads = torch.autograd.grad((logp * g_logp).sum() + (entropy * g_entropy).sum(), (hidden, weight))
+
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = weight.detach().float().requires_grad_()
+    want_logp, want_entropy = naive(h32, w32, targets, temperature)
+    want = torch.autograd.grad((want_logp * g_logp).sum() + (want_entropy * g_entropy).sum(), (h32, w32))
+
+    if dtype == torch.float32:
+        torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(entropy, want_entropy, atol=1e-5, rtol=1e-5)
+        for g, w in zip(grads, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    else:  # bf16 matmul (fp32 accumulate) and bf16 gradient storage vs an fp32 reference
+        torch.testing.assert_close(logp, want_logp, atol=0.05, rtol=0.02)
+        torch.testing.assert_close(entropy, want_entropy, atol=0.05, rtol=0.02)
+        for g, w in zip(grads, want):
+            assert g.dtype == torch.bfloat16
+            torch.testing.assert_close(g.float(), w, atol=0.05, rtol=0.05)
+    assert (logp[-20:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_equals_token_logprobs_and_frozen_weight(backend):
+    # Same maths as token_logprobs on materialised logits; a frozen weight gets no gradient work.
+    torch.manual_seed(3)
+    hidden = torch.randn(20, 16, requires_grad=True)
+    weight = torch.randn(100, 16)
+    targets = torch.randint(0, 100, (20,))
+    logp, entropy = kernels.lm_head_logprobs(hidden, weight, targets, 1.3, chunk_tokens=7, backend=backend,
+                                             config=SMALL)
+    assert entropy is None
+    (grad,) = torch.autograd.grad(logp.sum(), hidden)
+    h2 = hidden.detach().requires_grad_()
+    logp2, _, _ = kernels.token_logprobs(h2 @ weight.t(), targets, 1.3, backend=backend, config=SMALL)
+    (grad2,) = torch.autograd.grad(logp2.sum(), h2)
+    torch.testing.assert_close(logp, logp2, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, grad2, atol=1e-5, rtol=1e-5)
+
+
+def test_lm_head_bad_inputs():
+    with pytest.raises(ValueError, match="hidden/weight: expected"):
+        kernels.lm_head_logprobs(torch.randn(4, 8), torch.randn(10, 9), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="hidden/weight: dtypes differ"):
+        kernels.lm_head_logprobs(torch.randn(4, 8), torch.randn(10, 8).bfloat16(), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_tokens: must be an integer >= 1"):
+        kernels.lm_head_logprobs(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long),
+                                 chunk_tokens=0)
