@@ -148,24 +148,45 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def _deep_merge(base: dict, child: dict) -> dict:
+    out = dict(base)
+    for key, value in child.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
+    """A config file as a dict; `base: other.yaml` (relative to the file) is read first and the
+    file's own keys override it, section by section, so experiment configs state only differences."""
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise ConfigError(f"{source}: config file not found")
+    if path.resolve() in _seen:
+        raise ConfigError(f"{source}: base: cycle through {[str(p) for p in _seen]}")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of sections")
+    base = loaded.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{source}: base: expected a file name, got {base!r}")
+        loaded = _deep_merge(read_yaml(path.parent / base, _seen + (path.resolve(),)), loaded)
+    return loaded
+
+
 def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None):
     """Build `cls` from a YAML file (optional) and dotted overrides; raises ConfigError."""
     data: dict = {}
     source = "defaults"
     if path is not None:
-        path = Path(path)
         source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"{source}: config file not found")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: not valid YAML: {e}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{source}: top level must be a mapping of sections")
-        data = loaded
+        data = read_yaml(path)
     if overrides:
         source = f"{source} + command line" if path is not None else "command line"
         apply_overrides(data, overrides)

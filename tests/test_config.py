@@ -82,3 +82,14 @@ def test_saved_config_reloads_identically(tmp_path):
     save_config(cfg, tmp_path / "run" / "config.yaml")
     again = load_config(Outer, tmp_path / "run" / "config.yaml")
     assert again == cfg
+
+
+def test_base_file_is_merged_section_by_section(tmp_path):
+    (tmp_path / "base.yaml").write_text("name: base\ngrpo:\n  v: 3\n  eps: 0.3\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("base: base.yaml\ngrpo:\n  v: 10\n")
+    cfg = load_config(Outer, child)
+    assert (cfg.name, cfg.grpo.v, cfg.grpo.eps) == ("base", 10, 0.3)
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(Outer, tmp_path / "loop.yaml")
