@@ -1,0 +1,545 @@
+"""The objective: group advantages, the clipped off-policy surrogate, KL, aggregation, diagnostics.
+
+Single source of truth for the maths of Mroueh et al. (arXiv 2505.22257, "Revisiting GRPO") and
+of the REC / RED families of Yao et al. (arXiv 2509.24203). The trainer calls these functions on
+CPU and GPU; the fused Triton kernel in kernels/ is tested against `objective`.
+
+Symbols (paper names): alpha = the policy that sampled the batch (its per-token log-probs
+`logp_alpha` come from the inference server), pi_k = the trainer's policy at the start of the
+iteration (`logp_k`), pi = the policy being optimised (`logp`, requires grad), pi_ref (`logp_ref`).
+
+Pipeline, once per batch of B prompts x G completions:
+  adv, seq_weight, stats = group_advantages(rewards, G, cfg)        # eq. 2, eq. 8, RED
+  n_seqs, n_toks = local_denominators(mask, seq_weight, cfg)        # all-reduce over ranks
+  then per micro-batch:
+  w = token_weights(mask, seq_weight, cfg, num_seqs=..., num_tokens=..., max_len=...)
+  loss, sums = objective(logp, logp_alpha, logp_k, logp_ref, adv, w, cfg)   # eq. 6/7
+  loss.backward(); accumulate sums (merge_stats), all-reduce, finalize_stats.
+
+Everything inside `per_token_loss` is elementwise (no op across tokens), so a kernel can
+re-implement it with one constexpr branch per option. Cross-token work (group statistics,
+RED, denominators, sequence-level drift) lives in the other functions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+LossName = Literal["grpo", "reinforce", "rec_oneside_is", "rec_oneside_nois", "rec_twoside_is", "rec_ring_nois"]
+_REC_LOSSES = ("rec_oneside_is", "rec_oneside_nois", "rec_twoside_is", "rec_ring_nois")
+
+
+@dataclass
+class ObjectiveConfig:
+    """The `objective:` section of the config. Each option names the equation it implements."""
+
+    loss: LossName = "grpo"
+    """grpo: clipped surrogate f_eps (eq. 6/7). reinforce: -A log pi, no clip, no IS (2509.24203 REINFORCE).
+    rec_*: REINFORCE with a clipping mask on pi/alpha (2509.24203 REC family; see per_token_loss)."""
+    ratio_anchor: Literal["exact", "approx"] = "approx"
+    """grpo only. exact: r = pi/alpha, r' = pi_k/alpha (eq. 6). approx: r = pi/pi_k, r' = 1 (paper's practice, Sec. 3.2)."""
+    eps_low: float = 0.2
+    """lower clip width: band lower edge max(r' - eps_low, 0) (eq. 6); REC: 1 - eps_low."""
+    eps_high: float = 0.2
+    """upper clip width: band upper edge r' + eps_high (eq. 6); REC: 1 + eps_high."""
+    ring_eps_low: float = 0.6
+    """rec_ring_nois: outer margin; an A>0 token with pi/alpha <= 1 - ring_eps_low keeps its gradient."""
+    ring_eps_high: float = 2.0
+    """rec_ring_nois: outer margin; an A<0 token with pi/alpha >= 1 + ring_eps_high keeps its gradient."""
+    is_cap: Optional[float] = None
+    """truncated IS: cap C on the importance weight pi_k/alpha (None = off); see per_token_loss."""
+    beta: float = 0.0
+    """weight of KL(pi || pi_ref) in eq. 7."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL(pi||pi_ref) estimator: k1 = logp-ref, k2 = (logp-ref)^2/2, k3 = e^(ref-logp)-(ref-logp)-1."""
+    adv_scale: Literal["group", "batch", "none"] = "group"
+    """eq. 2 denominator: group std (GRPO), batch std (group mean, batch std), none (Dr. GRPO / REC: r - mean)."""
+    adv_eps: float = 1e-4
+    """epsilon of eq. 2, under the square root: A = (r - mu) / sqrt(sigma^2 + eps); the theorem needs 0 < eps < 1."""
+    mask_zero_variance: bool = False
+    """eq. 8: a group whose G rewards are all equal gets weight 0 (DAPO's filter, grounded by Theorem 1)."""
+    mask_truncated: bool = False
+    """give weight 0 to completions cut at max_new_tokens (DAPO overlong filtering)."""
+    aggregation: Literal["seq_mean", "token_mean", "seq_sum_norm"] = "seq_mean"
+    """seq_mean: mean over tokens then over sequences (GRPO). token_mean: over all tokens of the batch (DAPO).
+    seq_sum_norm: sum over tokens / (num_seqs * max_len), a constant (Dr. GRPO)."""
+    max_len_norm: Optional[int] = None
+    """the constant max_len of seq_sum_norm; None -> the caller's max_new_tokens."""
+    count_masked: bool = True
+    """True: masked / dropped / truncated-masked samples stay in num_seqs, num_tokens as zeros (eq. 8 read
+    literally: E_x 1[sigma != 0](...)). False: they leave the batch (DAPO-style dynamic sampling)."""
+    red: Literal["none", "drop", "weight"] = "none"
+    """2509.24203 RED. drop: drop random excess negatives of a group so #neg <= #pos. weight: w_i = exp(A_i / red_tau)."""
+    red_tau: float = 1.0
+    """temperature of RED-Weight."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eps_low <= 1.0:
+            raise ValueError(f"eps_low: must be in [0, 1] (the band's lower edge is a ratio >= 0), got {self.eps_low}")
+        if self.eps_high < 0.0:
+            raise ValueError(f"eps_high: must be >= 0, got {self.eps_high}")
+        if not self.eps_low < self.ring_eps_low <= 1.0:
+            raise ValueError(f"ring_eps_low: must be in (eps_low, 1] (outer margin beyond the inner band), "
+                             f"got {self.ring_eps_low}")
+        if not self.ring_eps_high > self.eps_high:
+            raise ValueError(f"ring_eps_high: must be > eps_high (outer margin beyond the inner band), "
+                             f"got {self.ring_eps_high}")
+        if self.is_cap is not None and not self.is_cap > 0.0:
+            raise ValueError(f"is_cap: must be > 0 or null, got {self.is_cap}")
+        if self.beta < 0.0:
+            raise ValueError(f"beta: must be >= 0, got {self.beta}")
+        if not 0.0 < self.adv_eps < 1.0:
+            raise ValueError(f"adv_eps: must be in (0, 1) (Theorem 1 of 2505.22257), got {self.adv_eps}")
+        if self.max_len_norm is not None and self.max_len_norm < 1:
+            raise ValueError(f"max_len_norm: must be >= 1 or null, got {self.max_len_norm}")
+        if not self.red_tau > 0.0:
+            raise ValueError(f"red_tau: must be > 0, got {self.red_tau}")
+
+
+# The named methods of the two papers as field values of ObjectiveConfig (configs/ can copy these).
+# REC/RED settings are those of the authors' Trinity-RFT examples (examples/rec_gsm8k): advantage
+# r - mean (no std), token-mean aggregation, eps 0.2/0.2, ring margins 0.6/2.0, RED-Weight tau 1.
+PAPER_PRESETS: dict[str, dict] = {
+    "grpo": dict(loss="grpo", adv_scale="group", aggregation="seq_mean"),
+    "grpo_zero_var_mask": dict(loss="grpo", adv_scale="group", mask_zero_variance=True),  # eq. 8
+    "dr_grpo": dict(loss="grpo", adv_scale="none", aggregation="seq_sum_norm"),
+    "reinforce": dict(loss="reinforce", adv_scale="none", aggregation="token_mean"),
+    "rec_oneside_is": dict(loss="rec_oneside_is", adv_scale="none", aggregation="token_mean"),
+    "rec_oneside_nois": dict(loss="rec_oneside_nois", adv_scale="none", aggregation="token_mean"),
+    "rec_twoside_is": dict(loss="rec_twoside_is", adv_scale="none", aggregation="token_mean"),
+    "rec_ring_nois": dict(loss="rec_ring_nois", adv_scale="none", aggregation="token_mean",
+                          eps_low=0.2, eps_high=0.2, ring_eps_low=0.6, ring_eps_high=2.0),
+    "red_drop": dict(loss="reinforce", red="drop", adv_scale="none", aggregation="token_mean"),
+    "red_weight": dict(loss="reinforce", red="weight", red_tau=1.0, adv_scale="none", aggregation="token_mean"),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Group advantages (eq. 2), zero-variance masking (eq. 8), RED, and the bound's M
+# ----------------------------------------------------------------------------------------------
+
+def group_advantages(rewards: Tensor, group_size: int, cfg: ObjectiveConfig, *,
+                     generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor, dict]:
+    """Advantages A_alpha(x, y_i) of eq. 2 for a flat batch of B*G rewards.
+
+    rewards [B*G], grouped consecutively (prompt b owns rows b*G .. b*G+G-1); pass the WHOLE batch
+    (group and batch statistics are taken over what is passed).
+
+    Variance: POPULATION variance (divide by G), sigma^2 = mean_i (r_i - mean)^2. Eq. 2 defines
+    sigma^2_{alpha,r} = E_{y~alpha}(r - mu)^2 and the plug-in estimate of that is the population
+    formula; with 0/1 rewards it equals p(1-p) of the Bernoulli used in the paper's discussion of
+    (1 - sigma)/sigma, and it keeps sigma <= 1/2 for rewards in [0, 1] as Theorem 1 needs. (TRL's
+    torch.std is the sample variance: a factor sqrt(G/(G-1)), 1.03 at G = 16.)
+
+      adv_scale=group: A = (r - mean_g) / sqrt(var_g + adv_eps)       (eq. 2, GRPO)
+      adv_scale=batch: A = (r - mean_g) / sqrt(var_batch + adv_eps)   (group mean, batch std)
+      adv_scale=none:  A = r - mean_g                                 (Dr. GRPO; REINFORCE/REC of 2509.24203)
+
+    seq_weight [B*G] multiplies the whole per-sample loss (surrogate and KL, as in eq. 8):
+      0 for groups with all rewards equal if mask_zero_variance (eq. 8);
+      red=drop: when a group has more negatives (r < mean) than positives (r >= mean), the excess
+        negatives, chosen at random (`generator`), get weight 0 and advantage 0, and the kept samples'
+        advantages use the mean (and std) of the kept rewards (as the authors' Trinity-RFT code);
+      red=weight: exp(A_i / red_tau), with A_i the final advantage above (2509.24203 RED-Weight);
+      1 otherwise.
+
+    stats (python floats): reward_mean, reward_std (batch, population), group_std_mean,
+    zero_var_frac (fraction of groups with equal rewards), masked_frac (fraction of samples given
+    weight 0 by eq. 8), red_drop_frac, seq_weight_mean, bound_M = M_{alpha,r,eps} =
+    sqrt(mean_x (1 - sigma_eps(x))^2 / sigma_eps(x)^2) with sigma_eps = sqrt(var_g + adv_eps)
+    (definition after Corollary 1; assumes rewards scaled to [0, 1]) and bound_M_nonzero, the same
+    over groups with nonzero variance only (what eq. 8 masking leaves in the bound).
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected a flat [B*G] tensor, got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"group_size: {rewards.numel()} rewards do not split into groups of {group_size}")
+    if rewards.numel() == 0:
+        raise ValueError("rewards: empty batch")
+    if not torch.isfinite(rewards).all():
+        bad = int((~torch.isfinite(rewards)).nonzero()[0])
+        raise ValueError(f"rewards: non-finite value at row {bad}: {rewards[bad].item()}")
+    out_device, out_dtype = rewards.device, torch.promote_types(rewards.dtype, torch.float32)
+    r = rewards.detach().to("cpu", torch.float64).view(-1, group_size)  # [B, G]
+    num_groups = r.shape[0]
+
+    zero_var = (r.max(dim=1).values == r.min(dim=1).values)  # [B] exact equality: "all equal"
+    keep = torch.ones_like(r, dtype=torch.bool)
+    if cfg.red == "drop":
+        is_pos = r >= r.mean(dim=1, keepdim=True)
+        for b in range(num_groups):
+            neg_idx = (~is_pos[b]).nonzero().flatten()
+            excess = len(neg_idx) - int(is_pos[b].sum())
+            if excess > 0:
+                drop = neg_idx[torch.randperm(len(neg_idx), generator=generator)[:excess]]
+                keep[b, drop] = False
+
+    # Group statistics over the kept samples (all of them unless RED-Drop removed some).
+    n_kept = keep.sum(dim=1, keepdim=True).to(r.dtype)
+    mean_g = (r * keep).sum(dim=1, keepdim=True) / n_kept
+    var_g = (((r - mean_g) ** 2) * keep).sum(dim=1, keepdim=True) / n_kept  # population variance
+    centred = (r - mean_g) * keep
+    if cfg.adv_scale == "group":
+        adv = centred / torch.sqrt(var_g + cfg.adv_eps)
+    elif cfg.adv_scale == "batch":
+        adv = centred / math.sqrt(float(r.var(unbiased=False)) + cfg.adv_eps)
+    else:
+        adv = centred
+
+    seq_weight = keep.to(r.dtype)
+    if cfg.mask_zero_variance:
+        seq_weight = seq_weight * (~zero_var).to(r.dtype).unsqueeze(1)
+    if cfg.red == "weight":
+        seq_weight = seq_weight * torch.exp(adv / cfg.red_tau)
+
+    # M_{alpha,r,eps} of Theorem 1 / eq. 4, from the full groups (the bound is about alpha's rewards).
+    full_var = r.var(dim=1, unbiased=False)
+    sigma_eps = torch.sqrt(full_var + cfg.adv_eps)
+    m_terms = (1.0 - sigma_eps) ** 2 / sigma_eps ** 2
+    nonzero = ~zero_var
+    stats = {
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std(unbiased=False)),
+        "group_std_mean": float(full_var.sqrt().mean()),
+        "zero_var_frac": float(zero_var.to(r.dtype).mean()),
+        "masked_frac": float(zero_var.to(r.dtype).mean()) if cfg.mask_zero_variance else 0.0,
+        "red_drop_frac": float((~keep).to(r.dtype).mean()),
+        "seq_weight_mean": float(seq_weight.mean()),
+        "bound_M": float(m_terms.mean().sqrt()),
+        "bound_M_nonzero": float(m_terms[nonzero].mean().sqrt()) if nonzero.any() else float("nan"),
+    }
+    return (adv.flatten().to(out_device, out_dtype), seq_weight.flatten().to(out_device, out_dtype), stats)
+
+
+# ----------------------------------------------------------------------------------------------
+# Aggregation over tokens: weights w with loss = sum(per_token_loss * w)
+# ----------------------------------------------------------------------------------------------
+
+def _effective_mask(completion_mask: Tensor, seq_weight: Tensor, cfg: ObjectiveConfig,
+                    truncated: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(token mask [B,T] of real completion tokens, per-sequence weight [B] incl. truncation mask)."""
+    if completion_mask.dim() != 2:
+        raise ValueError(f"completion_mask: expected [B, T], got shape {tuple(completion_mask.shape)}")
+    if seq_weight.shape != completion_mask.shape[:1]:
+        raise ValueError(f"seq_weight: expected shape [{completion_mask.shape[0]}], got {tuple(seq_weight.shape)}")
+    mask = completion_mask.to(torch.float32 if not seq_weight.is_floating_point() else seq_weight.dtype)
+    seq_w = seq_weight.to(mask.dtype)
+    if cfg.mask_truncated:
+        if truncated is None:
+            raise ValueError("truncated: mask_truncated is on, so a [B] bool tensor of truncated completions is needed")
+        if truncated.shape != seq_weight.shape:
+            raise ValueError(f"truncated: expected shape {tuple(seq_weight.shape)}, got {tuple(truncated.shape)}")
+        seq_w = seq_w * (~truncated.bool()).to(mask.dtype)
+    return mask, seq_w
+
+
+def local_denominators(completion_mask: Tensor, seq_weight: Tensor, cfg: ObjectiveConfig,
+                       truncated: Optional[Tensor] = None) -> tuple[int, int]:
+    """(num_seqs, num_tokens) of this rank's part of the batch; SUM them over ranks and micro-batches
+    and pass the totals to token_weights. With count_masked=False, samples of weight 0 (eq. 8 masked,
+    RED-dropped, truncated-masked) are not counted."""
+    mask, seq_w = _effective_mask(completion_mask, seq_weight, cfg, truncated)
+    counted = torch.ones_like(seq_w, dtype=torch.bool) if cfg.count_masked else seq_w != 0
+    return int(counted.sum()), int((mask * counted.unsqueeze(1)).sum())
+
+
+def token_weights(completion_mask: Tensor, seq_weight: Tensor, cfg: ObjectiveConfig, *, num_seqs: int,
+                  num_tokens: int, max_len: int, truncated: Optional[Tensor] = None) -> Tensor:
+    """[B, T] weights w such that the loss of a (micro-)batch is sum(per_token_loss * w).
+
+    num_seqs / num_tokens are GLOBAL denominators (whole batch, all micro-batches and ranks; see
+    local_denominators) so that gradient accumulation and data parallelism give exactly the loss of
+    the full batch. With s_b = seq_weight_b (times 0 if truncated and mask_truncated), m_bt the mask,
+    L_b = sum_t m_bt:
+      seq_mean:     w_bt = s_b m_bt / (L_b * num_seqs)         (GRPO: token mean, then sequence mean)
+      token_mean:   w_bt = s_b m_bt / num_tokens               (DAPO: all tokens of the batch)
+      seq_sum_norm: w_bt = s_b m_bt / (max_len * num_seqs)     (Dr. GRPO; max_len = cfg.max_len_norm or
+                                                                the caller's max_new_tokens)
+    Padding (m = 0) gets 0.
+    """
+    mask, seq_w = _effective_mask(completion_mask, seq_weight, cfg, truncated)
+    if num_seqs < 1 or (cfg.aggregation == "token_mean" and num_tokens < 1):
+        raise ValueError(f"num_seqs/num_tokens: global denominators must be >= 1, got {num_seqs}/{num_tokens}")
+    per_token = mask * seq_w.unsqueeze(1)
+    if cfg.aggregation == "seq_mean":
+        lengths = mask.sum(dim=1, keepdim=True)
+        return per_token / (lengths.clamp(min=1.0) * num_seqs)
+    if cfg.aggregation == "token_mean":
+        return per_token / num_tokens
+    const_len = cfg.max_len_norm if cfg.max_len_norm is not None else max_len
+    if const_len is None or const_len < 1:
+        raise ValueError(f"max_len: seq_sum_norm needs a constant length >= 1, got {const_len}")
+    return per_token / (const_len * num_seqs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-token loss (eq. 6, 7; REINFORCE / REC of 2509.24203). Elementwise only.
+# ----------------------------------------------------------------------------------------------
+
+DIAGNOSTIC_KEYS = ("clip_low", "clip_high", "ratio", "is_weight", "is_capped", "kl", "tv", "kl_pik_alpha")
+
+
+def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
+                   adv: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token loss to MINIMISE, = -surrogate + beta * kl, and per-token diagnostics.
+
+    Inputs: same shape (any); adv either that shape or one dim less (broadcast per token).
+    logp requires grad. logp_alpha: the sampler's log-probs (vLLM). logp_k: pi_k, detached; None means
+    pi_k = the current parameters (logp.detach()), right only for the first optimizer step on a batch
+    (i = 1 in Algorithm 1). logp_ref: None when beta == 0. Work dtype: float32 or wider.
+
+    w = pi_k/alpha = exp(logp_k - logp_alpha) is the importance weight; w_bar = min(w, is_cap) (or w).
+
+    loss = grpo (eq. 6, f_eps(r, r', A) = min(r A, clip(r, max(r' - eps_low, 0), r' + eps_high) A)):
+      exact:  r = (pi/pi_k) * w_bar, r' = w_bar    (= pi/alpha, pi_k/alpha when uncapped);
+              surrogate = f_eps(r, r', A). is_cap truncates the IS weight inside f.
+      approx: r = pi/pi_k, r' = 1 (paper's practice: pi_k/alpha ~ 1 for small v);
+              surrogate = f_eps(r, 1, A), times w_bar only if is_cap is set (truncated IS against the
+              numerical mismatch between inference engine and trainer: alpha = pi_k mathematically
+              when on-policy, but vLLM's log-probs differ from the trainer's).
+      With alpha = pi_k and pi = pi_k (i = 1), d loss / d logp = -A (REINFORCE).
+    loss = reinforce: -A * logp (2509.24203 vanilla group-relative REINFORCE; no clip, no weights;
+      is_cap unused).
+    loss = rec_* (2509.24203): ratio r = pi/alpha (the behaviour policy, their pi_old; ratio_anchor
+      does not apply), band [1 - eps_low, 1 + eps_high], loss = -A * c * logp * keep with
+      c = stopgrad(r) (IS variants; capped at is_cap if set) or 1 (NoIS), and keep (0/1, constant):
+      oneside: drop A>0 tokens with r > 1+eps_high and A<0 tokens with r < 1-eps_low;
+      twoside: drop tokens outside the band whatever the sign of A;
+      ring:    keep tokens inside the band, and also A>0 tokens with r <= 1 - ring_eps_low and A<0
+               tokens with r >= 1 + ring_eps_high (outer margins); drop the rest.
+      The gradient -A c keep grad(logp) is the authors' (Trinity-RFT rec_policy_loss); with IS and the
+      one-sided mask it equals GRPO's clipped gradient with ratio pi/alpha.
+    kl (eq. 7) per token between pi and pi_ref, d = logp_ref - logp:
+      k3 = exp(d) - d - 1 (default), k1 = -d, k2 = d^2 / 2; added as beta * kl when beta > 0.
+
+    Diagnostics (detached, float, same shape): clip_low / clip_high (0/1: the token gets no policy
+    gradient because its ratio left the band below / above), ratio (r as above; for reinforce pi/alpha),
+    is_weight (w_bar), is_capped (0/1: w > is_cap), kl, tv = |w - 1| / 2 (per-token estimate of
+    TV(pi_k, alpha): E_alpha |pi_k/alpha - 1| / 2), kl_pik_alpha = w - 1 - log w (k3 estimator of
+    KL(alpha || pi_k) under samples from alpha: unbiased, >= 0). tv and kl_pik_alpha use the raw w.
+    """
+    if logp_alpha.shape != logp.shape:
+        raise ValueError(f"logp_alpha: shape {tuple(logp_alpha.shape)} differs from logp {tuple(logp.shape)}")
+    for name, t in (("logp_k", logp_k), ("logp_ref", logp_ref)):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from logp {tuple(logp.shape)}")
+    if cfg.beta > 0 and logp_ref is None:
+        raise ValueError("logp_ref: beta > 0 needs the reference policy's log-probs")
+    if adv.dim() == logp.dim() - 1:
+        adv = adv.unsqueeze(-1)
+    if adv.dim() != logp.dim():
+        raise ValueError(f"adv: shape {tuple(adv.shape)} does not broadcast per token over {tuple(logp.shape)}")
+
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    logp = logp.to(dtype)
+    logp_alpha = logp_alpha.detach().to(dtype)
+    logp_k = logp.detach() if logp_k is None else logp_k.detach().to(dtype)
+    adv = adv.detach().to(dtype)
+
+    log_w = logp_k - logp_alpha
+    w = torch.exp(log_w)  # pi_k / alpha
+    if cfg.is_cap is not None:
+        w_bar = torch.clamp(w, max=cfg.is_cap)
+        is_capped = (w > cfg.is_cap).to(dtype)
+    else:
+        w_bar, is_capped = w, torch.zeros_like(w)
+
+    pos, neg = adv > 0, adv < 0
+    if cfg.loss == "grpo":
+        if cfg.ratio_anchor == "exact":
+            ratio = torch.exp(logp - logp_k) * w_bar
+            anchor = w_bar
+            outer = torch.ones_like(w)
+        else:
+            ratio = torch.exp(logp - logp_k)
+            anchor = torch.ones_like(w)
+            outer = w_bar if cfg.is_cap is not None else torch.ones_like(w)
+        lower = torch.clamp(anchor - cfg.eps_low, min=0.0)
+        upper = anchor + cfg.eps_high
+        clipped_ratio = torch.minimum(torch.maximum(ratio, lower), upper)
+        surrogate = outer * torch.minimum(ratio * adv, clipped_ratio * adv)
+        clip_low = (neg & (ratio < lower)).to(dtype)
+        clip_high = (pos & (ratio > upper)).to(dtype)
+        policy_loss = -surrogate
+    elif cfg.loss == "reinforce":
+        ratio = torch.exp(logp.detach() - logp_alpha)
+        clip_low = clip_high = torch.zeros_like(ratio)
+        policy_loss = -adv * logp
+    else:
+        ratio = torch.exp(logp.detach() - logp_alpha)  # pi / alpha, constant: only masks and weights use it
+        lower, upper = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+        below, above = ratio < lower, ratio > upper
+        if cfg.loss in ("rec_oneside_is", "rec_oneside_nois"):
+            drop_low, drop_high = neg & below, pos & above
+        elif cfg.loss == "rec_twoside_is":
+            drop_low, drop_high = below, above
+        else:  # rec_ring_nois
+            rescued = (pos & (ratio <= 1.0 - cfg.ring_eps_low)) | (neg & (ratio >= 1.0 + cfg.ring_eps_high))
+            drop_low, drop_high = below & ~rescued, above & ~rescued
+        keep = (~(drop_low | drop_high)).to(dtype)
+        if cfg.loss.endswith("_is"):
+            coef = torch.clamp(ratio, max=cfg.is_cap) if cfg.is_cap is not None else ratio
+        else:
+            coef = torch.ones_like(ratio)
+        clip_low, clip_high = drop_low.to(dtype), drop_high.to(dtype)
+        policy_loss = -adv * coef * keep * logp
+
+    if logp_ref is not None:
+        d = logp_ref.detach().to(dtype) - logp
+        if cfg.kl_estimator == "k3":
+            kl = torch.exp(d) - d - 1.0
+        elif cfg.kl_estimator == "k2":
+            kl = 0.5 * d * d
+        else:
+            kl = -d
+    else:
+        kl = torch.zeros_like(logp)
+    loss = policy_loss + cfg.beta * kl if cfg.beta > 0 else policy_loss
+
+    diagnostics = {
+        "clip_low": clip_low,
+        "clip_high": clip_high,
+        "ratio": ratio.detach(),
+        "is_weight": w_bar,
+        "is_capped": is_capped,
+        "kl": kl.detach(),
+        "tv": 0.5 * torch.abs(w - 1.0),
+        "kl_pik_alpha": w - 1.0 - log_w,
+    }
+    return loss, diagnostics
+
+
+# ----------------------------------------------------------------------------------------------
+# The objective of one (micro-)batch and its additive statistics
+# ----------------------------------------------------------------------------------------------
+
+_SUM_KEYS = DIAGNOSTIC_KEYS
+_SQ_KEYS = ("ratio", "is_weight")  # also summed squared, for a standard deviation
+_EXTREME_KEYS = ("ratio", "is_weight")  # also max and min
+
+
+def objective(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
+              adv: Tensor, weights: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """loss = sum(per_token_loss * weights), a scalar to minimise (weights from token_weights).
+
+    Tokens with weight 0 (padding, eq. 8 masked groups, RED-dropped or truncated-masked samples) are
+    inactive: their log-probs are replaced by 0 before the maths, so they give exactly zero loss and
+    zero gradient even when the padding holds garbage (inf, nan).
+
+    stats: 0-dim tensors (detached), all over ACTIVE tokens only (weights != 0), unweighted:
+      num_tokens                      count of active tokens
+      loss                            the loss value (weighted sum)
+      <key>_sum for key in DIAGNOSTIC_KEYS (clip_low, clip_high, ratio, is_weight, is_capped, kl, tv,
+                                      kl_pik_alpha)   sums of the per-token diagnostics
+      ratio_sqsum, is_weight_sqsum    sums of squares
+      ratio_max, is_weight_max        maxima (-inf when no active token)
+      ratio_min, is_weight_min        minima (+inf when no active token)
+    Reduce keys ending in _max with MAX, _min with MIN, all others with SUM (merge_stats,
+    all_reduce_stats), then finalize_stats. This function is what the fused Triton kernel reproduces.
+    """
+    if weights.shape != logp.shape:
+        raise ValueError(f"weights: shape {tuple(weights.shape)} differs from logp {tuple(logp.shape)}")
+    active = weights != 0
+
+    def clean(t: Optional[Tensor]) -> Optional[Tensor]:
+        return None if t is None else torch.where(active, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+    per_token, diag = per_token_loss(clean(logp), clean(logp_alpha), clean(logp_k), clean(logp_ref),
+                                     adv, cfg)
+    loss = (per_token * weights.to(per_token.dtype)).sum()
+
+    act = active.to(per_token.dtype)
+    stats: dict[str, Tensor] = {"num_tokens": act.sum(), "loss": loss.detach()}
+    for key in _SUM_KEYS:
+        stats[f"{key}_sum"] = (diag[key] * act).sum()
+    for key in _SQ_KEYS:
+        stats[f"{key}_sqsum"] = (diag[key] ** 2 * act).sum()
+    inf = torch.tensor(float("inf"), dtype=per_token.dtype, device=per_token.device)
+    for key in _EXTREME_KEYS:
+        stats[f"{key}_max"] = torch.where(active, diag[key], -inf).amax() if active.numel() else -inf
+        stats[f"{key}_min"] = torch.where(active, diag[key], inf).amin() if active.numel() else inf
+    return loss, stats
+
+
+def merge_stats(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Combine the stats of two micro-batches (MAX for *_max, MIN for *_min, SUM otherwise)."""
+    out = {}
+    for key in a:
+        if key.endswith("_max"):
+            out[key] = torch.maximum(a[key], b[key])
+        elif key.endswith("_min"):
+            out[key] = torch.minimum(a[key], b[key])
+        else:
+            out[key] = a[key] + b[key]
+    return out
+
+
+def all_reduce_stats(stats: dict[str, Tensor], group=None) -> dict[str, Tensor]:
+    """All-reduce objective stats across ranks in place (no-op without torch.distributed)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return stats
+    for key in sorted(stats):
+        op = dist.ReduceOp.MAX if key.endswith("_max") else dist.ReduceOp.MIN if key.endswith("_min") \
+            else dist.ReduceOp.SUM
+        dist.all_reduce(stats[key], op=op, group=group)
+    return stats
+
+
+def finalize_stats(sums: dict[str, Tensor]) -> dict[str, float]:
+    """Means over active tokens from reduced stats: clip_low_frac, clip_high_frac, clip_frac,
+    ratio_{mean,std,max,min}, is_weight_{mean,std,max,min}, is_capped_frac, kl_mean, tv_mean,
+    kl_pik_alpha_mean, plus loss and num_tokens. nan when there is no active token."""
+    n = float(sums["num_tokens"])
+
+    def mean(key: str) -> float:
+        return float(sums[key]) / n if n > 0 else float("nan")
+
+    out = {"loss": float(sums["loss"]), "num_tokens": n,
+           "clip_low_frac": mean("clip_low_sum"), "clip_high_frac": mean("clip_high_sum"),
+           "is_capped_frac": mean("is_capped_sum"), "kl_mean": mean("kl_sum"), "tv_mean": mean("tv_sum"),
+           "kl_pik_alpha_mean": mean("kl_pik_alpha_sum")}
+    out["clip_frac"] = out["clip_low_frac"] + out["clip_high_frac"]
+    for key in _SQ_KEYS:
+        m = mean(f"{key}_sum")
+        out[f"{key}_mean"] = m
+        out[f"{key}_std"] = math.sqrt(max(mean(f"{key}_sqsum") - m * m, 0.0)) if n > 0 else float("nan")
+        out[f"{key}_max"] = float(sums[f"{key}_max"]) if n > 0 else float("nan")
+        out[f"{key}_min"] = float(sums[f"{key}_min"]) if n > 0 else float("nan")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence-level drift and the terms of the improvement bound (Theorem 1, eq. 4)
+# ----------------------------------------------------------------------------------------------
+
+def sequence_drift(logp_k: Tensor, logp_alpha: Tensor, completion_mask: Tensor) -> dict[str, Tensor]:
+    """Per-sequence drift between pi_k and alpha, from the sampled tokens (y ~ alpha).
+
+    Theorem 1's TV(pi_k(.|x), alpha(.|x)) is over whole completions; with W = pi_k(y|x)/alpha(y|x) =
+    exp(sum_t (logp_k - logp_alpha)):
+      tv  [B] = |W - 1| / 2         (E_alpha of it = TV(pi_k, alpha) exactly; high variance for long y)
+      kl  [B] = W - 1 - log W       (k3: E_alpha of it = KL(alpha || pi_k); Pinsker: TV <= sqrt(KL/2))
+      log_w [B] = log W
+    log W is clamped to [-80, 80] to keep exp finite in float32.
+    """
+    mask = completion_mask.to(torch.float64)
+    log_w = ((logp_k.detach().to(torch.float64) - logp_alpha.detach().to(torch.float64)) * mask).sum(-1)
+    log_w = log_w.clamp(-80.0, 80.0)
+    big_w = torch.exp(log_w)
+    return {"tv": 0.5 * (big_w - 1.0).abs(), "kl": big_w - 1.0 - log_w, "log_w": log_w}
+
+
+def bound_penalty(seq_tv: Tensor, group_size: int, bound_M: float) -> dict[str, float]:
+    """Estimate the penalty terms of eq. 4 at pi = pi_k (start of the iteration):
+    2 M sqrt(E_x TV^2(pi_k, alpha)) + 2 E_x TV(pi_k, alpha), with TV(x) = mean over the G samples of
+    prompt x of seq_tv (from sequence_drift). The bound guarantees improvement when the surrogate
+    gain L_alpha exceeds this; a researcher watches it grow with v."""
+    tv_x = seq_tv.detach().to(torch.float64).view(-1, group_size).mean(dim=1)
+    tv_mean = float(tv_x.mean())
+    tv_rms = float((tv_x ** 2).mean().sqrt())
+    return {"tv_seq_mean": tv_mean, "tv_seq_rms": tv_rms, "bound_penalty": 2.0 * bound_M * tv_rms + 2.0 * tv_mean}
