@@ -107,6 +107,9 @@ PAPER_PRESETS: dict[str, dict] = {
     "grpo": dict(loss="grpo", adv_scale="group", aggregation="seq_mean"),
     "grpo_zero_var_mask": dict(loss="grpo", adv_scale="group", mask_zero_variance=True),  # eq. 8
     "dr_grpo": dict(loss="grpo", adv_scale="none", aggregation="seq_sum_norm"),
+    # DAPO without its refill of filtered groups (dynamic sampling) and without overlong reward shaping:
+    "dapo": dict(loss="grpo", adv_scale="group", eps_low=0.2, eps_high=0.28, aggregation="token_mean",
+                 mask_zero_variance=True, count_masked=False),
     "reinforce": dict(loss="reinforce", adv_scale="none", aggregation="token_mean"),
     "rec_oneside_is": dict(loss="rec_oneside_is", adv_scale="none", aggregation="token_mean"),
     "rec_oneside_nois": dict(loss="rec_oneside_nois", adv_scale="none", aggregation="token_mean"),
@@ -262,9 +265,14 @@ def token_weights(completion_mask: Tensor, seq_weight: Tensor, cfg: ObjectiveCon
     Padding (m = 0) gets 0.
     """
     mask, seq_w = _effective_mask(completion_mask, seq_weight, cfg, truncated)
-    if num_seqs < 1 or (cfg.aggregation == "token_mean" and num_tokens < 1):
-        raise ValueError(f"num_seqs/num_tokens: global denominators must be >= 1, got {num_seqs}/{num_tokens}")
     per_token = mask * seq_w.unsqueeze(1)
+    denominator = num_tokens if cfg.aggregation == "token_mean" else num_seqs
+    if denominator < 1:
+        # Nothing counted in the whole batch (e.g. every group masked with count_masked=False): the loss is 0.
+        if (per_token != 0).any():
+            raise ValueError(f"num_seqs/num_tokens: global denominator is {denominator} but this micro-batch has "
+                             f"tokens of nonzero weight; pass the totals from local_denominators")
+        return per_token
     if cfg.aggregation == "seq_mean":
         lengths = mask.sum(dim=1, keepdim=True)
         return per_token / (lengths.clamp(min=1.0) * num_seqs)
@@ -302,6 +310,10 @@ def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], l
               numerical mismatch between inference engine and trainer: alpha = pi_k mathematically
               when on-policy, but vLLM's log-probs differ from the trainer's).
       With alpha = pi_k and pi = pi_k (i = 1), d loss / d logp = -A (REINFORCE).
+      Note: while pi = pi_k (the first optimizer step on a batch) r = r' under both anchors, so no
+      token is clipped; the clip acts only from the second optimizer step on the same batch (i > 1,
+      or a batch split into several optimizer steps). With (v > 1, i = 1) the GRPO gradient is
+      -A w grad(logp) (exact; w = pi_k/alpha) or -A grad(logp) (approx).
     loss = reinforce: -A * logp (2509.24203 vanilla group-relative REINFORCE; no clip, no weights;
       is_cap unused).
     loss = rec_* (2509.24203): ratio r = pi/alpha (the behaviour policy, their pi_old; ratio_anchor
