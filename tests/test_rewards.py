@@ -1,0 +1,162 @@
+"""grpo/rewards.py with real math-verify in real worker processes.
+
+One pool (2 workers) serves the module: start-up ~1 s, the 1319 x 2 GSM8K verifications ~5 s,
+the adversarial case about one deadline (3 s) plus a worker restart.
+"""
+import json
+import random
+import re
+import time
+
+import pytest
+
+from grpo.data import REPO_ROOT
+from grpo.rewards import RewardConfig, RewardScorer, boxed_contents, gold_to_latex
+
+GSM8K_TEST = REPO_ROOT / "../shared/data/gsm8k_test.jsonl"
+TIMEOUT_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    with RewardScorer(RewardConfig(workers=2, timeout_s=TIMEOUT_S)) as s:
+        yield s
+
+
+def _gsm8k_rows():
+    rows = [json.loads(line) for line in GSM8K_TEST.read_text().splitlines()]
+    gold = [r["answer"].rsplit("####", 1)[1].strip().replace(",", "") for r in rows]
+    # The reference solution with its final "#### N" line rewritten as \boxed{N} (N as written, commas too).
+    solutions = [re.sub(r"####\s*(.+)\s*$", lambda m: f"\\boxed{{{m.group(1).strip()}}}", r["answer"])
+                 for r in rows]
+    return solutions, gold
+
+
+# --------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def test_boxed_contents():
+    assert boxed_contents(r"so \boxed{x^{2}} then \boxed{\frac{1}{2}}.") == ["x^{2}", r"\frac{1}{2}"]
+    assert boxed_contents(r"\boxed{a \boxed{b}} and \fbox{c}") == [r"a \boxed{b}", "c"]  # outermost only
+    assert boxed_contents(r"\boxed{5} \boxed{unclosed") == ["5"]
+    assert boxed_contents(r"\boxed {7}") == ["7"]
+    assert boxed_contents("no box {here}") == []
+    assert boxed_contents(r"}} \boxed{\{1, 2\}}") == [r"\{1, 2\}"]
+
+
+def test_gold_to_latex():
+    assert gold_to_latex("18") == r"\boxed{18}"
+    assert gold_to_latex("steps\n#### 1,234") == r"\boxed{1234}"
+    assert gold_to_latex(r"$\frac{1}{2}$") == r"\boxed{\frac{1}{2}}"
+    assert gold_to_latex(r"\boxed{3}") == r"\boxed{3}"
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="format_weight"):
+        RewardConfig(format_weight=1.5)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardConfig(timeout_s=0)
+
+
+# --------------------------------------------------------------------------------------------
+# GSM8K: every reference solution is right, every mismatched one wrong
+
+
+def test_gsm8k_reference_solutions_score_one(scorer):
+    solutions, gold = _gsm8k_rows()
+    assert len(solutions) == 1319 and all(s.rstrip().endswith("}") for s in solutions)
+    rewards, info = scorer.score(solutions, gold)
+    assert info["timeouts"] == 0 and info["errors"] == 0 and info["no_answer"] == 0
+    wrong = [(i, solutions[i][-40:], gold[i]) for i, r in enumerate(rewards) if r != 1.0]
+    assert wrong == []
+
+
+def test_gsm8k_deranged_pairs_score_zero_unless_values_match(scorer):
+    solutions, gold = _gsm8k_rows()
+    n = len(gold)
+    rng = random.Random(0)
+    while True:  # a derangement: nobody keeps their own gold
+        perm = list(range(n))
+        rng.shuffle(perm)
+        if all(i != j for i, j in enumerate(perm)):
+            break
+    other_gold = [gold[j] for j in perm]
+    rewards, info = scorer.score(solutions, other_gold)
+    expected = [1.0 if float(gold[i]) == float(other_gold[i]) else 0.0 for i in range(n)]
+    assert 0 < sum(expected) < 0.05 * n  # a few random pairs share a value (~1%)
+    assert rewards == expected
+    assert info["timeouts"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Format reward and modes
+
+
+def test_format_weight_mixes_correctness_and_format():
+    completions = [r"\boxed{4}", r"\boxed{5}", r"first \boxed{3} then \boxed{4}", "4", r"\boxed{2+2}"]
+    golds = ["4"] * 5
+    with RewardScorer(RewardConfig(workers=1, format_weight=0.2)) as s:
+        rewards, info = s.score(completions, golds)
+    # correct, format:  (1,1)   (0,1)  (1,0) last box counts   (0,0) no box   (1,1)
+    assert rewards == pytest.approx([1.0, 0.2, 0.8, 0.0, 1.0])
+    assert info["correct"] == [1.0, 0.0, 1.0, 0.0, 1.0] and info["format_ok"] == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert info["no_answer"] == 1 and info["accuracy"] == pytest.approx(0.6)
+
+
+def test_inline_mode_and_unboxed_answers():
+    completions = [r"\boxed{0.5}", r"The answer is $\frac{1}{2}$.", r"\boxed{\frac{2}{4}}", r"\boxed{1/3}"]
+    golds = [r"\frac{1}{2}"] * 4
+    with RewardScorer(RewardConfig(workers=0)) as s:
+        assert s.score(completions, golds)[0] == [1.0, 0.0, 1.0, 0.0]
+    with RewardScorer(RewardConfig(workers=0, require_boxed=False)) as s:
+        assert s.score(completions, golds)[0] == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_duplicates_are_scored_once(scorer):
+    rewards, info = scorer.score([r"\boxed{7}"] * 6 + [r"\boxed{8}"] * 2, ["7"] * 8)
+    assert rewards == [1.0] * 6 + [0.0] * 2 and info["unique_pairs"] == 2 and info["n"] == 8
+
+
+def test_length_mismatch_is_an_error(scorer):
+    with pytest.raises(ValueError, match="2 completions but 1 gold"):
+        scorer.score(["a", "b"], ["1"])
+
+
+# --------------------------------------------------------------------------------------------
+# Adversarial text and dead workers
+
+
+def test_adversarial_completions_time_out_and_pool_recovers(scorer):
+    tower = r"Surely \boxed{10^{10^{10^{10}}}}"  # sympy never finishes comparing this with 5
+    braces = r"\boxed{" + "{" * 500_000 + "1" + "}" * 500_000 + "}"  # a megabyte of nested braces
+    old_pids = {w.process.pid for w in scorer._workers}
+    start = time.monotonic()
+    rewards, info = scorer.score([tower, braces, r"\boxed{5}"], ["5", "5", "5"])
+    elapsed = time.monotonic() - start
+    assert rewards == [0.0, 0.0, 1.0]
+    assert info["timeouts"] == 2
+    # Both run in parallel and are cut at the deadline; the third waits for a fresh worker (~1 s).
+    assert elapsed < TIMEOUT_S + 6, elapsed
+    assert not old_pids & {w.process.pid for w in scorer._workers}  # the stuck workers were replaced
+    solutions, gold = _gsm8k_rows()
+    rewards, info = scorer.score(solutions[:40], gold[:40])
+    assert rewards == [1.0] * 40 and info["timeouts"] == 0
+    assert scorer.total_timeouts >= 2
+
+
+def test_killed_worker_is_replaced(scorer):
+    victim = scorer._workers[0].process
+    victim.kill()
+    victim.wait()
+    rewards, info = scorer.score([r"\boxed{1}", r"\boxed{2}", r"\boxed{3}"], ["1", "2", "4"])
+    assert rewards == [1.0, 1.0, 0.0] and info["errors"] == 0
+    assert victim.pid not in {w.process.pid for w in scorer._workers}
+
+
+def test_close_ends_workers():
+    s = RewardScorer(RewardConfig(workers=2))
+    assert s.score([r"\boxed{3}"], ["3"])[0] == [1.0]
+    processes = [w.process for w in s._workers]
+    s.close()
+    assert all(p.poll() is not None for p in processes)
