@@ -1,0 +1,182 @@
+"""Trainer-side weight writing and server-side checking (no vLLM; real files, real safetensors)."""
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from grpo.weight_sync import (
+    SERVING_MARKER,
+    WeightPushError,
+    check_weights_dir,
+    list_weights_dirs,
+    prune_weights,
+    resolve_under_root,
+    verify_weights_dir,
+    weights_dir_name,
+    write_weights,
+)
+
+
+def _config_dir(tmp_path, tie=False):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": tie}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    return d
+
+
+def _state_dict():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(10, 4, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(6, 4, generator=g),
+        "model.norm.weight": torch.randn(4, generator=g),
+        "lm_head.weight": torch.randn(10, 4, generator=g),
+    }
+
+
+def test_write_weights_roundtrip_bf16(tmp_path):
+    sd = _state_dict()
+    root = tmp_path / "root"
+    out = write_weights(sd, _config_dir(tmp_path), root, version=3, step=120, dtype=torch.bfloat16)
+    assert out == root / "weights-v00000003"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "manifest.json", "model.safetensors"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["version"], manifest["step"], manifest["dtype"], manifest["hash"]) == (3, 120, "bfloat16", "sha256")
+    data = (out / "model.safetensors").read_bytes()
+    assert manifest["files"] == [{"name": "model.safetensors", "bytes": len(data),
+                                  "sha256": hashlib.sha256(data).hexdigest()}]
+    # 4 tensors of 40 + 24 + 4 + 40 elements, 2 bytes each in bf16, after the header
+    assert len(data) - 8 - int.from_bytes(data[:8], "little") == (40 + 24 + 4 + 40) * 2
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(sd)
+        for k, v in sd.items():
+            got = f.get_tensor(k)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, v.to(torch.bfloat16))
+    assert oct(os.stat(out / "model.safetensors").st_mode & 0o777) == "0o600"
+    assert verify_weights_dir(out, root)["version"] == 3
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_tied_lm_head_is_written_once_and_hf_loads_it(tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    out = write_weights(model.state_dict(), src, tmp_path / "root", version=1, step=1, dtype=torch.float32)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_existing_version_and_empty_state_dict_are_refused(tmp_path):
+    cfg = _config_dir(tmp_path)
+    write_weights(_state_dict(), cfg, tmp_path / "root", version=1, step=0, dtype=torch.float32)
+    with pytest.raises(WeightPushError, match="already exists"):
+        write_weights(_state_dict(), cfg, tmp_path / "root", version=1, step=0, dtype=torch.float32)
+    with pytest.raises(WeightPushError, match="empty"):
+        write_weights({}, cfg, tmp_path / "root", version=2, step=0, dtype=torch.float32)
+    with pytest.raises(WeightPushError, match="config.json"):
+        write_weights(_state_dict(), tmp_path, tmp_path / "root", version=3, step=0, dtype=torch.float32)
+
+
+def test_blake3_manifest_verifies(tmp_path):
+    import blake3
+
+    out = write_weights(_state_dict(), _config_dir(tmp_path), tmp_path / "r", 0, 0, torch.bfloat16, hash_algo="blake3")
+    entry = json.loads((out / "manifest.json").read_text())["files"][0]
+    assert entry["blake3"] == blake3.blake3((out / "model.safetensors").read_bytes()).hexdigest()
+    verify_weights_dir(out, tmp_path / "r")
+
+
+@pytest.fixture
+def pushed(tmp_path):
+    root = tmp_path / "root"
+    out = write_weights(_state_dict(), _config_dir(tmp_path), root, version=5, step=9, dtype=torch.float32)
+    return root, out
+
+
+def test_flipped_byte_fails_the_hash_only(pushed):
+    root, out = pushed
+    f = out / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01  # inside the last tensor's data: the header still parses, sizes still match
+    f.write_bytes(bytes(data))
+    check_weights_dir(out, root)  # structure is fine...
+    with pytest.raises(WeightPushError, match="sha256 mismatch"):
+        verify_weights_dir(out, root)  # ...the content is not
+
+
+def test_truncated_file_is_refused(pushed):
+    root, out = pushed
+    f = out / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-100])
+    with pytest.raises(WeightPushError, match="truncated"):
+        check_weights_dir(out, root)
+    # even if the manifest is "fixed" to the new size, the header gives the truncation away
+    m = json.loads((out / "manifest.json").read_text())
+    m["files"][0]["bytes"] = len(data) - 100
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(WeightPushError, match="truncated or padded"):
+        check_weights_dir(out, root)
+
+
+def test_missing_manifest_and_stray_file(pushed):
+    root, out = pushed
+    (out / "extra.safetensors").write_bytes(b"x")
+    with pytest.raises(WeightPushError, match="extra.safetensors is not listed"):
+        check_weights_dir(out, root)
+    (out / "manifest.json").unlink()
+    with pytest.raises(WeightPushError, match="no manifest.json"):
+        check_weights_dir(out, root)
+
+
+def test_paths_outside_root_are_refused(pushed, tmp_path):
+    root, out = pushed
+    assert resolve_under_root(out.name, root) == out.resolve()  # relative to the root is fine
+    with pytest.raises(WeightPushError, match="not inside the weights root"):
+        check_weights_dir(root / ".." / "model", root)
+    with pytest.raises(WeightPushError, match="not inside the weights root"):
+        check_weights_dir("/etc", root)
+    with pytest.raises(WeightPushError, match="not inside the weights root"):
+        check_weights_dir(root, root)
+    # a symlink inside the root that points out of it
+    (root / "escape").symlink_to(tmp_path / "model")
+    with pytest.raises(WeightPushError, match="not inside the weights root"):
+        check_weights_dir(root / "escape", root)
+    # a symlinked weights file inside a legitimate directory
+    f = out / "model.safetensors"
+    real = tmp_path / "elsewhere.safetensors"
+    f.rename(real)
+    f.symlink_to(real)
+    with pytest.raises(WeightPushError, match="not a regular file"):
+        check_weights_dir(out, root)
+
+
+def test_prune_keeps_last_and_serving(tmp_path):
+    root = tmp_path / "root"
+    cfg = _config_dir(tmp_path)
+    for v in range(1, 6):
+        write_weights(_state_dict(), cfg, root, version=v, step=v, dtype=torch.bfloat16)
+    (root / SERVING_MARKER).write_text(weights_dir_name(2) + "\n")
+    dead_tmp = root / ".tmp-weights-v00000009-999999999-abcd"  # pid beyond pid_max: a dead writer
+    dead_tmp.mkdir()
+    live_tmp = root / f".tmp-weights-v00000009-{os.getpid()}-abcd"
+    live_tmp.mkdir()
+    prune_weights(root, keep_last=2)
+    assert [v for v, _ in list_weights_dirs(root)] == [2, 4, 5]
+    assert not dead_tmp.exists() and live_tmp.exists()
+    with pytest.raises(ValueError, match="keep_last"):
+        prune_weights(root, keep_last=0)
