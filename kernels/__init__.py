@@ -19,6 +19,7 @@ import torch
 
 from .lm_head import LMHeadLogprobs
 from .logprobs import LogprobImpl, TokenLogprobs
+from .loss import STAT_KEYS, GRPOObjective
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -122,7 +123,7 @@ def token_logprobs(logits, targets, temperature=1.0, logp_alpha=None, with_entro
     inv_temperature = _check_temperature(temperature)
     config = _pick(backend, config)
     impl = _logprob_impl(config.backend, config, logits.device, n_cols)
-    targets = targets.contiguous()
+    targets = targets.to(torch.int64).contiguous()  # the kernels are compiled for int64 ids
     if logp_alpha is not None:
         logp_alpha = logp_alpha.detach().float().contiguous()
     logp, log_ratio, entropy = TokenLogprobs.apply(logits, targets, logp_alpha, inv_temperature,
@@ -148,9 +149,46 @@ def lm_head_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None
     if chunk_tokens is not None:
         config = KernelConfig(**{**config.__dict__, "chunk_tokens": chunk_tokens})
     impl = _logprob_impl(config.backend, config, hidden.device, n_cols)
-    logp, entropy = LMHeadLogprobs.apply(hidden, weight, targets.contiguous(), inv_temperature,
+    logp, entropy = LMHeadLogprobs.apply(hidden, weight, targets.to(torch.int64).contiguous(), inv_temperature,
                                          bool(with_entropy), config.chunk_tokens, impl)
     return logp, entropy
 
 
-__all__ = ["KernelConfig", "token_logprobs", "lm_head_logprobs", "resolve_backend", "BACKENDS"]
+def _check_objective_inputs(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg):
+    """The checks (and messages) of grpo.objective.objective / per_token_loss."""
+    if weights.shape != logp.shape:
+        raise ValueError(f"weights: shape {tuple(weights.shape)} differs from logp {tuple(logp.shape)}")
+    if logp_alpha.shape != logp.shape:
+        raise ValueError(f"logp_alpha: shape {tuple(logp_alpha.shape)} differs from logp {tuple(logp.shape)}")
+    for name, t in (("logp_k", logp_k), ("logp_ref", logp_ref)):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from logp {tuple(logp.shape)}")
+    if cfg.beta > 0 and logp_ref is None:
+        raise ValueError("logp_ref: beta > 0 needs the reference policy's log-probs")
+    if adv.dim() == logp.dim() - 1:
+        adv = adv.unsqueeze(-1)
+    if adv.dim() != logp.dim():
+        raise ValueError(f"adv: shape {tuple(adv.shape)} does not broadcast per token over {tuple(logp.shape)}")
+    try:
+        return adv.expand(logp.shape)
+    except RuntimeError:
+        raise ValueError(f"adv: shape {tuple(adv.shape)} does not broadcast per token over {tuple(logp.shape)}") from None
+
+
+def grpo_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, backend="auto",
+                   config: Optional[KernelConfig] = None):
+    """grpo.objective.objective (same arguments, same (loss, stats) contract), fused on the Triton
+    backend: one pass computes the loss, d loss / d logp and every stats sum. The torch backend
+    (and any float64 input, which the fp32 kernel would round) calls grpo.objective.objective."""
+    config = _pick(backend, config)
+    resolved = resolve_backend(config.backend, logp.device)
+    if resolved == "torch" or logp.dtype == torch.float64:
+        from grpo.objective import objective  # the source of truth; imported late: grpo may import kernels
+
+        return objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg)
+    adv = _check_objective_inputs(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg)
+    loss, stats = GRPOObjective.apply(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, config.loss_block)
+    return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}
+
+
+__all__ = ["KernelConfig", "token_logprobs", "lm_head_logprobs", "grpo_objective", "resolve_backend", "BACKENDS"]

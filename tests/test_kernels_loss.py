@@ -1,0 +1,136 @@
+"""kernels.grpo_objective (fused Triton loss, run by the interpreter) against grpo.objective.objective,
+the source of truth: loss, d loss / d logp and every stats sum, for every per-token option."""
+import math
+
+import pytest
+import torch
+
+import kernels
+from grpo.objective import ObjectiveConfig, objective
+from kernels import KernelConfig
+from kernels.loss import STAT_KEYS
+
+TRITON = KernelConfig(backend="triton", loss_block=32)  # several programs with a ragged last one
+LOSSES = ["grpo", "reinforce", "rec_oneside_is", "rec_oneside_nois", "rec_twoside_is", "rec_ring_nois"]
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def batch(seed, n_seqs=5, seq_len=23, spread=0.3):
+    """Log-probs of a drifting off-policy batch, with padding (weight 0) holding garbage."""
+    g = torch.Generator().manual_seed(seed)
+    logp_alpha = -torch.rand(n_seqs, seq_len, generator=g) * 3
+    logp_k = logp_alpha + torch.randn(n_seqs, seq_len, generator=g) * spread
+    logp = logp_k + torch.randn(n_seqs, seq_len, generator=g) * spread
+    logp_ref = logp_k + torch.randn(n_seqs, seq_len, generator=g) * 0.2
+    adv = torch.randn(n_seqs, generator=g)
+    adv[1] = 0.0
+    weights = torch.rand(n_seqs, seq_len, generator=g)
+    weights[:, 17:] = 0.0  # padding
+    weights[3] = 0.0       # a fully masked sequence (eq. 8)
+    logp[:, 20:] = float("nan")
+    logp_alpha[:, 21:] = float("inf")
+    return logp, logp_alpha, logp_k, logp_ref, adv, weights
+
+
+def run_both(cfg, logp, logp_alpha, logp_k, logp_ref, adv, weights, config=TRITON):
+    x1 = logp.clone().requires_grad_()
+    loss1, stats1 = objective(x1, logp_alpha, logp_k, logp_ref, adv, weights, cfg)
+    (grad1,) = torch.autograd.grad(loss1, x1)
+    x2 = logp.clone().requires_grad_()
+    loss2, stats2 = kernels.grpo_objective(x2, logp_alpha, logp_k, logp_ref, adv, weights, cfg, config=config)
+    (grad2,) = torch.autograd.grad(loss2, x2)
+    return (loss1, stats1, grad1), (loss2, stats2, grad2)
+
+
+def assert_same(want, got):
+    (loss1, stats1, grad1), (loss2, stats2, grad2) = want, got
+    assert list(stats2) == list(stats1)
+    torch.testing.assert_close(loss2, loss1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad2, grad1, atol=1e-6, rtol=1e-5)
+    for key in stats1:
+        assert stats2[key].dim() == 0, key
+        torch.testing.assert_close(stats2[key], stats1[key], atol=1e-4, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("is_cap", [None, 1.1])
+def test_every_option_matches_objective(loss, is_cap):
+    anchors = ["exact", "approx"] if loss == "grpo" else ["approx"]
+    for anchor in anchors:
+        for kl_estimator, beta, with_ref in [("k3", 0.0, False), ("k1", 0.05, True), ("k2", 0.05, True),
+                                             ("k3", 0.05, True), ("k3", 0.0, True)]:
+            cfg = ObjectiveConfig(loss=loss, ratio_anchor=anchor, is_cap=is_cap, beta=beta,
+                                  kl_estimator=kl_estimator, eps_low=0.2, eps_high=0.28)
+            logp, logp_alpha, logp_k, logp_ref, adv, weights = batch(seed=2 * LOSSES.index(loss) + (anchor == "exact"))
+            want, got = run_both(cfg, logp, logp_alpha, logp_k, logp_ref if with_ref else None, adv, weights)
+            assert_same(want, got)
+            if loss != "reinforce":  # the batch must exercise the clipping, else this test proves little
+                assert want[1]["clip_low_sum"] + want[1]["clip_high_sum"] > 0
+
+
+def test_hand_computed_grpo_tokens():
+    # approx anchor, eps 0.2, pi_k = alpha: ratio = pi / pi_k.
+    #   token 0: r = 1.5, A = +1 -> min(1.5, 1.2) = 1.2, clipped high, no gradient; weight 0.5
+    #   token 1: r = 0.5, A = -1 -> min(-0.5, -0.8) = -0.8, clipped low, no gradient; weight 0.25
+    #   token 2: r = 1.1, A = +2 -> inside the band: 2.2, d/dlogp = -A r = -2.2; weight 1
+    # loss = -(0.5 * 1.2) - (0.25 * -0.8) - (1 * 2.2) = -2.6
+    cfg = ObjectiveConfig(loss="grpo", ratio_anchor="approx", eps_low=0.2, eps_high=0.2)
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.1])).requires_grad_()
+    zeros = torch.zeros(3)
+    loss, stats = kernels.grpo_objective(logp, zeros, zeros, None, torch.tensor([1.0, -1.0, 2.0]),
+                                         torch.tensor([0.5, 0.25, 1.0]), cfg, config=TRITON)
+    assert loss.item() == pytest.approx(-2.6, abs=1e-6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, torch.tensor([0.0, 0.0, -2.2]), atol=1e-6, rtol=0)
+    assert stats["num_tokens"].item() == 3
+    assert stats["clip_low_sum"].item() == 1 and stats["clip_high_sum"].item() == 1
+    assert stats["ratio_sum"].item() == pytest.approx(3.1, abs=1e-6)
+    assert stats["ratio_max"].item() == pytest.approx(1.5) and stats["ratio_min"].item() == pytest.approx(0.5)
+    assert stats["tv_sum"].item() == 0 and stats["is_weight_sum"].item() == 3
+
+
+def test_ties_split_the_gradient_like_torch():
+    # eps = 0: on-policy tokens (pi = pi_k) sit exactly on both clip edges; torch's min/max give each
+    # side half the gradient there, and the kernel must do the same.
+    cfg = ObjectiveConfig(loss="grpo", eps_low=0.0, eps_high=0.0)
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    adv, weights = torch.tensor([1.5]), torch.ones(1, 4)
+    want, got = run_both(cfg, logp, logp, logp, None, adv, weights)
+    assert_same(want, got)
+    assert want[2].abs().sum() > 0  # the tie rule matters: a zero gradient here would hide a mismatch
+
+
+def test_all_masked_and_logp_k_none_and_per_token_adv():
+    cfg = ObjectiveConfig(loss="grpo", ratio_anchor="exact", is_cap=2.0, beta=0.1)
+    logp, logp_alpha, logp_k, logp_ref, adv, weights = batch(seed=7)
+    want, got = run_both(cfg, logp, logp_alpha, None, logp_ref, adv[:, None].expand(-1, 23).contiguous(), weights)
+    assert_same(want, got)
+    (loss, stats, grad) = run_both(cfg, logp, logp_alpha, logp_k, logp_ref, adv, torch.zeros_like(weights))[1]
+    assert loss.item() == 0 and grad.abs().max() == 0 and stats["num_tokens"].item() == 0
+    assert stats["ratio_max"].item() == -math.inf and stats["is_weight_min"].item() == math.inf
+
+
+def test_bf16_logp_and_torch_backend_is_the_objective():
+    cfg = ObjectiveConfig(loss="rec_ring_nois")
+    logp, logp_alpha, logp_k, logp_ref, adv, weights = batch(seed=3)
+    x = logp.bfloat16().requires_grad_()
+    loss, stats = kernels.grpo_objective(x, logp_alpha, logp_k, None, adv, weights, cfg, config=TRITON)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert grad.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    want_loss, want_stats = objective(x.detach().float(), logp_alpha, logp_k, None, adv, weights, cfg)
+    torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
+    # backend="torch" (the CPU default) is grpo.objective.objective itself
+    loss_t, stats_t = kernels.grpo_objective(logp, logp_alpha, logp_k, None, adv, weights, cfg, backend="torch")
+    want_t, want_stats_t = objective(logp, logp_alpha, logp_k, None, adv, weights, cfg)
+    assert loss_t.item() == want_t.item() and list(stats_t) == list(want_stats_t) == list(STAT_KEYS)
+
+
+def test_bad_inputs_same_messages_as_objective():
+    cfg = ObjectiveConfig(beta=0.1)
+    logp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"weights: shape \(2, 4\) differs"):
+        kernels.grpo_objective(logp, logp, None, logp, torch.zeros(2), torch.ones(2, 4), cfg, config=TRITON)
+    with pytest.raises(ValueError, match="logp_ref: beta > 0 needs"):
+        kernels.grpo_objective(logp, logp, None, None, torch.zeros(2), torch.ones(2, 3), cfg, config=TRITON)
+    with pytest.raises(ValueError, match="adv: shape"):
+        kernels.grpo_objective(logp, logp, None, logp, torch.zeros(3), torch.ones(2, 3), cfg, config=TRITON)
