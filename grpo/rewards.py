@@ -14,6 +14,7 @@ in info["timeouts"]. The pool is created once and scores completions in parallel
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import multiprocessing.connection
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Optional
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
+PIPELINE_DEPTH = 2  # tasks queued per worker, so it starts the next one without a round trip
+PIPELINE_MAX_CHARS = 16_000  # larger tasks go only to idle workers (socket buffer ~200 KB)
 _BOXED_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"[{}]")
 
@@ -84,6 +87,16 @@ def boxed_contents(text: str) -> list[str]:
     return outermost
 
 
+def extract_answer(text: str) -> Optional[str]:
+    """The final answer as written: contents of the last outermost \\boxed{...}, None if there is none.
+
+    Linear in len(text), but pure Python (~1 s per megabyte of braces): for untrusted text in a
+    trainer, prefer info["extracted"] from RewardScorer.score, computed in time-bounded workers.
+    """
+    boxes = boxed_contents(text)
+    return boxes[-1].strip() if boxes else None
+
+
 def gold_to_latex(gold: str) -> str:
     """Gold answer as text math-verify extracts reliably: \\boxed{gold} (a raw '#### N' gives N)."""
     gold = gold.strip()
@@ -97,8 +110,11 @@ def gold_to_latex(gold: str) -> str:
 
 
 def score_one(completion: str, gold: str, require_boxed: bool, timeout: Optional[int] = None,
-              gold_cache: Optional[dict] = None) -> tuple[float, float, str]:
-    """(correct, format_ok, status) for one completion; status is "ok", "no_answer" or "error: ...".
+              gold_cache: Optional[dict] = None) -> tuple[float, float, str, Optional[str]]:
+    """(correct, format_ok, status, extracted) for one completion.
+
+    status is "ok", "no_answer" or "error: ..."; extracted is the last \\boxed{} content (first
+    1000 characters), None if there is none.
 
     `timeout` is math-verify's own signal.alarm bound (main thread only); workers pass None.
     """
@@ -106,10 +122,11 @@ def score_one(completion: str, gold: str, require_boxed: bool, timeout: Optional
 
     boxes = boxed_contents(completion)
     format_ok = 1.0 if len(boxes) == 1 else 0.0
+    extracted = boxes[-1].strip()[:1000] if boxes else None
     if boxes:
         answer_text = f"\\boxed{{{boxes[-1]}}}"
     elif require_boxed:
-        return 0.0, format_ok, "no_answer"
+        return 0.0, format_ok, "no_answer", None
     else:
         answer_text = completion
     try:
@@ -124,12 +141,12 @@ def score_one(completion: str, gold: str, require_boxed: bool, timeout: Optional
         answer_parsed = parse(answer_text, parsing_timeout=timeout)
         correct = verify(gold_parsed, answer_parsed, timeout_seconds=timeout)
     except Exception as e:  # math-verify raises rarely; a broken answer is a wrong answer, but count it
-        return 0.0, format_ok, f"error: {type(e).__name__}: {e}"[:200]
-    return (1.0 if correct else 0.0), format_ok, "ok"
+        return 0.0, format_ok, f"error: {type(e).__name__}: {e}"[:200], extracted
+    return (1.0 if correct else 0.0), format_ok, "ok", extracted
 
 
 def _worker_main(fd: int, require_boxed: bool) -> None:
-    """Worker loop on a socket: receive (key, completion, gold), send (key, correct, format_ok, status)."""
+    """Worker loop on a socket: receive (key, completion, gold), send (key, *score_one(...))."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; close() ends us
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": we bound it
     import math_verify  # noqa: F401  (import before saying ready, so deadlines exclude it)
@@ -171,8 +188,8 @@ class _Worker:
             os.close(child_fd)
         self.started_at = time.monotonic()
         self.ready = False
-        self.task: Optional[int] = None  # key of the completion it is scoring
-        self.deadline = math.inf
+        self.queue: collections.deque[int] = collections.deque()  # keys sent, head being scored
+        self.deadline = math.inf  # for the head of the queue
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -187,7 +204,8 @@ class RewardScorer:
     with RewardScorer(RewardConfig(workers=2)) as scorer:
         rewards, info = scorer.score(completions, golds)
 
-    info: n, correct (list of 0/1), format_ok (list), accuracy, timeouts, errors (math-verify raised or
+    info: n, correct (list of 0/1), format_ok (list), extracted (list of last \\boxed{} contents or
+    None), accuracy, timeouts, errors (math-verify raised or
     a worker died), no_answer (no balanced \\boxed{} while require_boxed), unique_pairs, seconds.
     """
 
@@ -195,6 +213,7 @@ class RewardScorer:
         self.cfg = cfg or RewardConfig()
         self._workers: list[_Worker] = []
         self.total_timeouts = 0  # over the scorer's life, for logging
+        self._inline_gold_cache: dict = {}  # workers=0: parsed gold answers, as each worker keeps
         if self.cfg.workers > 0:
             self._workers = [_Worker(self.cfg.require_boxed) for _ in range(self.cfg.workers)]
 
@@ -223,6 +242,7 @@ class RewardScorer:
             "n": len(completions),
             "correct": correct,
             "format_ok": format_ok,
+            "extracted": [results[k][3] for k in keys],
             "accuracy": sum(correct) / max(len(correct), 1),
             "timeouts": timeouts,
             "errors": sum(s.startswith(("error", "worker died")) for s in statuses),
@@ -231,6 +251,19 @@ class RewardScorer:
             "seconds": time.monotonic() - t0,
         }
         return rewards, info
+
+    def wait_ready(self) -> None:
+        """Block until every worker has started (score() does not need this; benchmarks do)."""
+        for worker in self._workers:
+            while not worker.ready:
+                left = worker.started_at + self.cfg.start_timeout_s - time.monotonic()
+                if left <= 0 or not worker.conn.poll(left):
+                    raise RuntimeError(f"reward worker not ready after {self.cfg.start_timeout_s} s")
+                try:
+                    worker.ready = worker.conn.recv() == "ready"
+                except (EOFError, OSError):
+                    raise RuntimeError(f"reward worker exited during start-up "
+                                       f"(exit code {worker.process.wait()})") from None
 
     def close(self) -> None:
         for worker in self._workers:
@@ -265,28 +298,48 @@ class RewardScorer:
             raise RuntimeError("RewardScorer(workers=0) relies on signal.alarm: call it from the main thread "
                                "or use workers >= 1")
         timeout = max(1, math.ceil(self.cfg.timeout_s))  # math-verify's alarm has whole seconds
-        return [score_one(c, g, self.cfg.require_boxed, timeout) for c, g in pairs]
+        return [score_one(c, g, self.cfg.require_boxed, timeout, self._inline_gold_cache) for c, g in pairs]
 
     def _replace(self, index: int) -> None:
         self._workers[index].kill()
         self._workers[index] = _Worker(self.cfg.require_boxed)
 
     def _score_pool(self, pairs):
+        """Hand pairs to workers, at most PIPELINE_DEPTH queued each so none idles between
+        tasks; the head of a worker's queue has the deadline. A worker past it is replaced: its
+        head scores 0 ("timeout"), the tasks queued behind it go back to the pending queue."""
         results: list = [None] * len(pairs)
-        next_task = 0
+        pending = collections.deque(range(len(pairs)))
         n_done = 0
+
+        def retire(i: int, head_status: str) -> None:
+            nonlocal n_done
+            worker = self._workers[i]
+            if worker.queue:
+                results[worker.queue.popleft()] = (0.0, 0.0, head_status, None)
+                n_done += 1
+                pending.extendleft(reversed(worker.queue))
+            self._replace(i)
+
         while n_done < len(pairs):
             now = time.monotonic()
-            for i, worker in enumerate(list(self._workers)):  # hand out work to idle, ready workers
-                if worker.ready and worker.task is None and next_task < len(pairs):
-                    completion, gold = pairs[next_task]
+            for i, worker in enumerate(list(self._workers)):  # top up ready workers' queues
+                while worker.ready and pending and len(worker.queue) < PIPELINE_DEPTH:
+                    key = pending[0]
+                    completion, gold = pairs[key]
+                    # A busy worker reads its socket only between tasks: never queue a message
+                    # that might not fit in the socket buffer behind a task that may hang.
+                    if worker.queue and len(completion) + len(gold) > PIPELINE_MAX_CHARS:
+                        break
                     try:
-                        worker.conn.send((next_task, completion, gold))
-                    except OSError:  # it died while idle: replace it, the task waits for the next one
-                        self._replace(i)
-                        continue
-                    worker.task, worker.deadline = next_task, now + self.cfg.timeout_s
-                    next_task += 1
+                        worker.conn.send((key, completion, gold))
+                    except OSError:  # it died: replace it; the task stays pending
+                        retire(i, f"worker died (exit code {worker.process.poll()})")
+                        break
+                    pending.popleft()
+                    if not worker.queue:
+                        worker.deadline = now + self.cfg.timeout_s
+                    worker.queue.append(key)
             waits = [w.deadline if w.ready else w.started_at + self.cfg.start_timeout_s for w in self._workers]
             wait_s = max(0.0, min(waits) - now)
             ready_conns = multiprocessing.connection.wait([w.conn for w in self._workers], timeout=wait_s)
@@ -298,26 +351,23 @@ class RewardScorer:
                 except (EOFError, OSError):  # the worker died (crash, OOM kill)
                     if not worker.ready:
                         worker.kill()
-                        code = worker.process.returncode
-                        raise RuntimeError(f"reward worker exited during start-up (exit code {code})")
-                    if worker.task is not None:
-                        results[worker.task] = (0.0, 0.0, f"worker died (exit code {worker.process.poll()})")
-                        n_done += 1
-                    self._replace(i)
+                        raise RuntimeError(f"reward worker exited during start-up "
+                                           f"(exit code {worker.process.returncode})") from None
+                    retire(i, f"worker died (exit code {worker.process.poll()})")
                     continue
                 if message == "ready":
                     worker.ready = True
                     continue
-                key, correct, format_ok, status = message
-                results[key] = (correct, format_ok, status)
-                worker.task, worker.deadline = None, math.inf
+                key, *result = message
+                results[key] = tuple(result)
                 n_done += 1
+                worker.queue.popleft()  # results come back in the order tasks were sent
+                # The worker moved on to the next queued task as it sent this result.
+                worker.deadline = time.monotonic() + self.cfg.timeout_s if worker.queue else math.inf
             now = time.monotonic()
             for i, worker in enumerate(list(self._workers)):
-                if worker.ready and worker.task is not None and now >= worker.deadline:
-                    results[worker.task] = (0.0, 0.0, "timeout")
-                    n_done += 1
-                    self._replace(i)
+                if worker.ready and worker.queue and now >= worker.deadline:
+                    retire(i, "timeout")
                 elif not worker.ready and now >= worker.started_at + self.cfg.start_timeout_s:
                     raise RuntimeError(f"reward worker not ready after {self.cfg.start_timeout_s} s")
         return results

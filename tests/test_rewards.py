@@ -11,7 +11,7 @@ import time
 import pytest
 
 from grpo.data import REPO_ROOT
-from grpo.rewards import RewardConfig, RewardScorer, boxed_contents, gold_to_latex
+from grpo.rewards import RewardConfig, RewardScorer, boxed_contents, extract_answer, gold_to_latex
 
 GSM8K_TEST = REPO_ROOT / "../shared/data/gsm8k_test.jsonl"
 TIMEOUT_S = 3.0
@@ -43,6 +43,7 @@ def test_boxed_contents():
     assert boxed_contents(r"\boxed {7}") == ["7"]
     assert boxed_contents("no box {here}") == []
     assert boxed_contents(r"}} \boxed{\{1, 2\}}") == [r"\{1, 2\}"]
+    assert extract_answer(r"\boxed{1} so \boxed{ 2 }") == "2" and extract_answer("none") is None
 
 
 def test_gold_to_latex():
@@ -102,6 +103,7 @@ def test_format_weight_mixes_correctness_and_format():
     assert rewards == pytest.approx([1.0, 0.2, 0.8, 0.0, 1.0])
     assert info["correct"] == [1.0, 0.0, 1.0, 0.0, 1.0] and info["format_ok"] == [1.0, 1.0, 0.0, 0.0, 1.0]
     assert info["no_answer"] == 1 and info["accuracy"] == pytest.approx(0.6)
+    assert info["extracted"] == ["4", "5", "4", None, "2+2"]
 
 
 def test_inline_mode_and_unboxed_answers():
@@ -145,6 +147,15 @@ def test_adversarial_completions_time_out_and_pool_recovers(scorer):
     assert scorer.total_timeouts >= 2
 
 
+def test_tasks_queued_behind_a_stuck_one_are_rescored():
+    # One worker: the two easy completions are queued behind the tower (pipelining), so when the
+    # worker is killed they must go back to the queue and be scored by its replacement.
+    with RewardScorer(RewardConfig(workers=1, timeout_s=1.5)) as s:
+        s.wait_ready()
+        rewards, info = s.score([r"\boxed{10^{10^{10^{10}}}}", r"\boxed{1}", r"\boxed{2}"], ["5", "1", "3"])
+    assert rewards == [0.0, 1.0, 0.0] and info["timeouts"] == 1 and info["errors"] == 0
+
+
 def test_killed_worker_is_replaced(scorer):
     victim = scorer._workers[0].process
     victim.kill()
@@ -156,6 +167,8 @@ def test_killed_worker_is_replaced(scorer):
 
 def test_close_ends_workers():
     s = RewardScorer(RewardConfig(workers=2))
+    s.wait_ready()
+    assert all(w.ready for w in s._workers)
     assert s.score([r"\boxed{3}"], ["3"])[0] == [1.0]
     processes = [w.process for w in s._workers]
     s.close()
