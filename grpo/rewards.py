@@ -27,10 +27,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
+_THIS_FILE = os.path.abspath(__file__)  # workers run this file (see _Worker)
 PIPELINE_DEPTH = 2  # tasks queued per worker, so it starts the next one without a round trip
 PIPELINE_MAX_CHARS = 16_000  # larger tasks go only to idle workers (socket buffer ~200 KB)
 _BOXED_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -178,12 +177,13 @@ class _Worker:
         parent_sock, child_sock = socket.socketpair()
         self.conn = multiprocessing.connection.Connection(parent_sock.detach())
         child_fd = child_sock.detach()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH")) if p)
-        code = f"from grpo.rewards import _worker_main; _worker_main({child_fd}, {require_boxed!r})"
+        # Run this file, not the package: whatever grpo/__init__ comes to import stays out of the
+        # workers. -I: neither the working directory nor PYTHON* variables can shadow modules.
+        code = (f"import runpy; runpy.run_path({_THIS_FILE!r}, run_name='grpo_reward_worker')"
+                f"['_worker_main']({child_fd}, {require_boxed!r})")
         try:
-            self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child_fd],
-                                            stdin=subprocess.DEVNULL, env=env)
+            self.process = subprocess.Popen([sys.executable, "-I", "-c", code], pass_fds=[child_fd],
+                                            stdin=subprocess.DEVNULL)
         finally:
             os.close(child_fd)
         self.started_at = time.monotonic()
@@ -205,8 +205,8 @@ class RewardScorer:
         rewards, info = scorer.score(completions, golds)
 
     info: n, correct (list of 0/1), format_ok (list), extracted (list of last \\boxed{} contents or
-    None), accuracy, timeouts, errors (math-verify raised or
-    a worker died), no_answer (no balanced \\boxed{} while require_boxed), unique_pairs, seconds.
+    None), accuracy, timeouts, errors (math-verify raised or a worker died), no_answer (no balanced
+    \\boxed{} while require_boxed), unique_pairs, seconds.
     """
 
     def __init__(self, cfg: Optional[RewardConfig] = None):
