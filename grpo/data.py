@@ -165,7 +165,7 @@ def _iter_rows(path: Path):
 def load_problem_set(cfg: DataConfig) -> ProblemSet:
     """Load a file dataset (named or a path); for "arithmetic", the held-out evaluation set."""
     if cfg.dataset == "arithmetic":
-        return ProblemSet(ArithmeticTask(cfg.arithmetic).eval_problems(), 0, [])
+        return ProblemSet(ArithmeticTask(cfg.arithmetic).eval_problems()[:cfg.limit], 0, [])
     path = resolve_data_path(cfg)
     if not path.is_file():
         raise FileNotFoundError(f"dataset {cfg.dataset!r}: file not found: {path}")

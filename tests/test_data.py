@@ -204,6 +204,7 @@ def test_arithmetic_is_deterministic_and_eval_is_disjoint():
     other_seed = [a.train_problem(seed=1, index=i) for i in range(50)]
     assert [p and p.prompt for p in other_seed] != [p and p.prompt for p in train[:50]]
     assert load_problems(DataConfig(dataset="arithmetic", arithmetic=cfg)) == a.eval_problems()
+    assert load_problems(DataConfig(dataset="arithmetic", arithmetic=cfg, limit=7)) == a.eval_problems()[:7]
 
 
 def test_arithmetic_too_small_space_is_an_error():
@@ -260,6 +261,17 @@ def test_build_prompt_uses_chat_template():
     assert tokenizer.decode(ids) == text
     no_system = build_prompt(tokenizer, problem, DataConfig(system_prompt=""))
     assert no_system.startswith("<|im_start|>user\nWhat is 2 + 3?\n") and "\\boxed{}" in no_system
+
+
+def test_build_prompt_with_project_tiny_tokenizer():
+    from grpo.models import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    problem = ArithmeticTask(ArithmeticConfig(eval_size=0)).train_problem(seed=0, index=0)
+    text = build_prompt(tokenizer, problem, DataConfig(system_prompt="S."))
+    assert text.startswith("<|im_start|>system\nS.<|im_end|>\n<|im_start|>user\nWhat is ")
+    assert text.endswith("within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.decode(encode_prompt(tokenizer, text)) == text
 
 
 def test_build_prompt_without_template_warns_and_uses_plain_format():
