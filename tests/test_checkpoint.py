@@ -302,7 +302,7 @@ def test_export_hf_bf16(world_of_one, model_dir, tmp_path):
     torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids), rtol=0.05, atol=0.05)
 
 
-def test_two_ranks_save_and_reload_sharded(model_dir, tmp_path):
+def test_two_ranks_save_and_reload_sharded(world_of_one, model_dir, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MODEL_DIR=str(model_dir),
                RUN_DIR=str(tmp_path / "run"))
     t0 = time.time()
@@ -318,6 +318,17 @@ def test_two_ranks_save_and_reload_sharded(model_dir, tmp_path):
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["checked_tensors"] > 10 and result["rand_rank"] == [0, 1]
     print(f"two-rank checkpoint round trip: {elapsed:.1f} s")
+
+    # Resume the two-rank checkpoint in a world of one: DCP reshards each half into one shard.
+    from safetensors.torch import load_file
+
+    expected = load_file(str(tmp_path / "run" / "expected_step2.safetensors"))
+    model, optimizer = build(model_dir)
+    scramble(model)
+    state = Checkpointer(CheckpointConfig(), tmp_path / "run").load(ckpt, model, optimizer)
+    assert state == {"step": 2, "ranks": 2}
+    got = full_params(model)
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 def _two_rank_worker() -> None:
@@ -352,6 +363,10 @@ def _two_rank_worker() -> None:
     path = ck.save(2, model, optimizer, ref_model=ref_model, trainer_state={"step": 2, "ranks": 2})
     expected_rand = torch.rand(4)
     expected = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in expected.items()}, str(run_dir / "expected_step2.safetensors"))
     osd = optimizer.state_dict()["state"]
     expected_moments = [osd[i]["exp_avg"].full_tensor() for i in sorted(osd)]
     expected_loss = step(model, optimizer)
