@@ -14,6 +14,7 @@ is `pass@1` here, the mean over problems of c/n, which equals pass_at_k(n, c, 1)
 """
 from __future__ import annotations
 
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -132,6 +133,96 @@ def summarize(records: Sequence[dict], pass_k: Sequence[int], wall_time_s: Optio
     if wall_time_s is not None:
         summary["wall_time_s"] = wall_time_s
     return summary
+
+
+def select_problems(problems: Sequence, eval_cfg: EvalConfig) -> list:
+    """The problems to evaluate: all, the first n_problems, or n_problems drawn with eval_cfg.seed."""
+    problems = list(problems)
+    if eval_cfg.n_problems is None or eval_cfg.n_problems >= len(problems):
+        return problems
+    if eval_cfg.subset == "first":
+        return problems[:eval_cfg.n_problems]
+    chosen = sorted(random.Random(f"eval-subset:{eval_cfg.seed}").sample(range(len(problems)), eval_cfg.n_problems))
+    return [problems[i] for i in chosen]
+
+
+def score_completions(problems: Sequence, prompt_texts: Sequence[str], completions: Sequence[Sequence[Any]],
+                      scorer) -> list[dict]:
+    """Per-problem records from sampled completions (objects with .text, .token_ids, .finish_reason).
+
+    The scorer is a grpo.rewards.RewardScorer: its info["correct"] (math-verify equivalence with the
+    gold answer) decides correctness and info["extracted"] (last \\boxed{} content) is the vote in
+    maj@k; the reward itself (which may include a format term) is kept as `rewards`.
+    """
+    if not len(problems) == len(prompt_texts) == len(completions):
+        raise ValueError(f"score_completions: {len(problems)} problems, {len(prompt_texts)} prompts, "
+                         f"{len(completions)} completion groups")
+    texts = [c.text for group in completions for c in group]
+    golds = [p.answer for p, group in zip(problems, completions) for _ in group]
+    rewards, info = scorer.score(texts, golds)
+    records, offset = [], 0
+    for problem, prompt, group in zip(problems, prompt_texts, completions):
+        span = slice(offset, offset + len(group))
+        offset += len(group)
+        correct = [bool(c) for c in info["correct"][span]]
+        records.append({
+            "id": problem.id,
+            "source": problem.source,
+            "prompt": prompt,
+            "gold": problem.answer,
+            "n_correct": sum(correct),
+            "completions": [c.text for c in group],
+            "extracted": info["extracted"][span],
+            "correct": correct,
+            "rewards": rewards[span],
+            "n_tokens": [len(c.token_ids) for c in group],
+            "finish_reasons": [c.finish_reason for c in group],
+        })
+    return records
+
+
+def evaluate(client, tokenizer, problems: Sequence, data_cfg, eval_cfg: EvalConfig, scorer,
+             progress: bool = False) -> tuple[dict, list[dict]]:
+    """Sample eval_cfg.k completions for each selected problem from the server, score, summarise.
+
+    client: grpo.client.InferenceClient (the trainer's, so eval sees the weights just pushed);
+    tokenizer: the policy's; problems: grpo.data.Problem list (a held-out set); data_cfg: the
+    DataConfig whose system prompt and instruction build the prompts (as in training);
+    scorer: grpo.rewards.RewardScorer. Returns (summary, per-problem records); the summary holds
+    pass@k / maj@k for the k in eval_cfg.pass_k up to K, mean_completion_tokens, truncation_rate,
+    wall_time_s and the server's weights_version (None if batches disagreed: a push happened).
+    """
+    from grpo.data import build_prompt, encode_prompt
+
+    t0 = time.monotonic()
+    problems = select_problems(problems, eval_cfg)
+    if not problems:
+        raise ValueError("evaluate: no problems to evaluate")
+    records: list[dict] = []
+    versions = set()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(problems), unit="problem", desc=f"eval K={eval_cfg.k}", dynamic_ncols=True)
+    try:
+        for start in range(0, len(problems), eval_cfg.batch_size):
+            batch = problems[start:start + eval_cfg.batch_size]
+            prompt_texts = [build_prompt(tokenizer, p, data_cfg) for p in batch]
+            prompt_ids = [encode_prompt(tokenizer, text) for text in prompt_texts]
+            result = client.generate(prompt_ids, n=eval_cfg.k, max_tokens=eval_cfg.max_tokens,
+                                     temperature=eval_cfg.temperature, top_p=eval_cfg.top_p)
+            versions.add(result.weights_version)
+            records.extend(score_completions(batch, prompt_texts, result.completions, scorer))
+            if bar is not None:
+                bar.update(len(batch))
+                bar.set_postfix(pass1=f"{_mean(r['n_correct'] / len(r['correct']) for r in records):.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+    summary = summarize(records, eval_cfg.pass_k, wall_time_s=time.monotonic() - t0)
+    summary["weights_version"] = versions.pop() if len(versions) == 1 else None
+    return summary, records
 
 
 def _mean(values) -> float:

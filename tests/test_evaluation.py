@@ -153,3 +153,53 @@ def test_plot_script_bad_input_is_one_readable_line(tmp_path):
     bad.write_text('{"step": 1, "reward_mean": 0.5}\nnot json\n')
     result = _run_plot([str(bad)])
     assert result.returncode != 0 and "metrics.jsonl:2: not valid JSON" in result.stderr
+
+
+def _completion(text, n_tokens, finish_reason="stop"):
+    from grpo.client import Completion
+
+    return Completion(token_ids=list(range(n_tokens)), logprobs=[-0.5] * n_tokens, finish_reason=finish_reason,
+                      text=text)
+
+
+def test_score_completions_with_the_real_scorer_and_twice_identical():
+    from grpo.data import Problem
+    from grpo.evaluation import score_completions
+    from grpo.rewards import RewardConfig, RewardScorer
+
+    problems = [Problem("p/0", "What is 12 + 7?", "19", "hand"), Problem("p/1", "What is 1/2 + 0?", "\\frac{1}{2}", "hand")]
+    prompts = ["prompt 0", "prompt 1"]
+    completions = [
+        [_completion("12 + 7 = \\boxed{19}", 8), _completion("\\boxed{18}", 3), _completion("so 19", 16, "length")],
+        [_completion("\\boxed{0.5}", 4), _completion("\\boxed{1/2}", 4), _completion("\\boxed{2}", 4)],
+    ]
+    with RewardScorer(RewardConfig(workers=1)) as scorer:
+        first = score_completions(problems, prompts, completions, scorer)
+        second = score_completions(problems, prompts, completions, scorer)
+    assert first == second
+    assert summarize(first, [1, 2, 3]) == summarize(second, [1, 2, 3])
+    r0, r1 = first
+    assert r0["correct"] == [True, False, False]  # no \boxed{} in the truncated one: not an answer
+    assert r0["extracted"] == ["19", "18", None]
+    assert r0["n_tokens"] == [8, 3, 16] and r0["finish_reasons"] == ["stop", "stop", "length"]
+    assert r1["correct"] == [True, True, False]  # math-verify: 0.5 == 1/2 == \frac{1}{2}
+    assert r1["n_correct"] == 2 and r1["gold"] == "\\frac{1}{2}" and r1["prompt"] == "prompt 1"
+    s = summarize(first, [1, 2, 3])
+    assert s["pass@1"] == pytest.approx((1 / 3 + 2 / 3) / 2)
+    assert s["pass@3"] == pytest.approx(1.0)
+    # maj@3: problem 0 votes 19/18 tie -> "19" (first) correct; problem 1: "0.5", "1/2", "2" are three
+    # different strings, tie -> "0.5" (first) correct.
+    assert s["maj@3"] == pytest.approx(1.0)
+    assert s["truncation_rate"] == pytest.approx(1 / 6)
+    assert s["mean_completion_tokens"] == pytest.approx((8 + 3 + 16 + 12) / 6)
+
+
+def test_select_problems_first_and_seeded_random():
+    from grpo.evaluation import select_problems
+
+    items = list(range(10))
+    assert select_problems(items, EvalConfig(n_problems=3)) == [0, 1, 2]
+    a = select_problems(items, EvalConfig(n_problems=4, subset="random", seed=1))
+    assert a == select_problems(items, EvalConfig(n_problems=4, subset="random", seed=1))
+    assert len(set(a)) == 4 and a == sorted(a)
+    assert select_problems(items, EvalConfig(n_problems=50)) == items
