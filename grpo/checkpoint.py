@@ -66,7 +66,7 @@ class CheckpointConfig:
 
     every: int = 0  # save every N optimizer steps (0: only at the end and on Ctrl-C / SIGTERM)
     keep_last: int = 2  # complete checkpoints kept on disk; older ones are deleted after each save
-    dir: Optional[str] = None  # where step_<N>/ directories go; default <run_dir>/checkpoints
+    dir: Optional[str] = None  # where step_<N>/ directories go (relative: from the working dir); default <run_dir>/checkpoints
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:

@@ -221,10 +221,10 @@ class MetricsLogger:
         """Record one optimizer step's metrics (must hold an integer 'step')."""
         if not self.active:
             return
-        step = metrics.get("step")
+        step = _plain("step", metrics["step"]) if "step" in metrics else None
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"metrics: 'step' must be an integer, got {step!r} (keys: {sorted(metrics)})")
-        row = {str(k): _plain(str(k), v) for k, v in metrics.items()}
+        row = {str(k): (step if k == "step" else _plain(str(k), v)) for k, v in metrics.items()}
         line = json.dumps(row)
         with open(self.metrics_path, "a") as f:
             f.write(line + "\n")

@@ -211,8 +211,9 @@ def test_bad_metrics_name_the_key(tmp_path):
     with pytest.raises(ValueError, match="kl: expected a number, got a tensor/array of shape \\(2,\\)"):
         logger.log({"step": 1, "kl": torch.zeros(2)})
     logger.log({"step": 1, "kl": 0.5})
+    logger.log({"step": np.int64(2), "kl": float("nan")})  # a numpy step; NaN as Python's json writes it
     logger.close()
-    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "kl": 0.5}\n'
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "kl": 0.5}\n{"step": 2, "kl": NaN}\n'
     assert not (tmp_path / "wandb").exists()
 
 
