@@ -41,25 +41,35 @@ def _row_blocks(n_rows: int, n_cols: int):
 
 
 def torch_forward(logits, targets, inv_temperature, with_entropy, logp_alpha=None):
-    """(logp, lse, entropy or None, log_ratio or None), each [N] fp32, plain torch, block by block."""
+    """(logp, lse, entropy or None, log_ratio or None), each [N] fp32, plain torch, block by block.
+
+    The maths of the kernel with a two-pass (max, then sum) logsumexp and one full-width temporary per block
+    (two with entropy): y = z - max(z) is shifted in place, then exponentiated in place."""
     n_rows, n_cols = logits.shape
-    logp = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    entropy = torch.empty(n_rows, dtype=torch.float32, device=logits.device) if with_entropy else None
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    logp, lse = torch.zeros(n_rows, **f32), torch.empty(n_rows, **f32)
+    entropy = torch.empty(n_rows, **f32) if with_entropy else None
     for r0, r1 in _row_blocks(n_rows, n_cols):
-        z = logits[r0:r1].float() * inv_temperature
-        # logp = (z_t - max) - log sum exp(z - max): z_t - max is exact for nearby values, so logp
-        # keeps full precision even for logits ~1e4 (z_t - lse would lose ~1e-3 there).
-        z_max = z.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
-        log_sum = torch.logsumexp(z - z_max, dim=-1)
-        lse[r0:r1] = z_max[:, 0] + log_sum
+        x = logits[r0:r1]
+        y = x.float() * inv_temperature if inv_temperature != 1.0 else x.float().clone()
+        y_max = y.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # finite on all -inf rows
+        y -= y_max  # y = z - max z <= 0
         t = targets[r0:r1]
         valid = t >= 0
-        z_target = z.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
-        logp[r0:r1] = torch.where(valid, (z_target - z_max[:, 0]) - log_sum, 0.0)
+        # logp = (z_t - max) - log sum exp(z - max): full precision even for logits ~1e4
+        # (z_t - lse would round to ~1e-3 there).
+        y_target = y.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
         if with_entropy:
-            # entr(p) = -p log p, and 0 where p == 0 (a -inf logit), so no nan from 0 * -inf.
-            entropy[r0:r1] = torch.special.entr(torch.softmax(z, dim=-1)).sum(-1)
+            y.clamp_(min=torch.finfo(torch.float32).min)  # -inf -> finite, so 0 * y below is 0, not nan
+            e = torch.exp(y)
+            sum_e = e.sum(-1)
+            # entropy = log s - sum(e^y y) / s, the form the kernel uses (no cancellation at |z| ~ 1e4)
+            entropy[r0:r1] = torch.log(sum_e) - e.mul_(y).sum(-1) / sum_e
+        else:
+            sum_e = y.exp_().sum(-1)
+        log_sum = torch.log(sum_e)
+        lse[r0:r1] = y_max[:, 0] + log_sum
+        logp[r0:r1] = torch.where(valid, y_target - log_sum, 0.0)
     log_ratio = None
     if logp_alpha is not None:
         log_ratio = torch.where(targets >= 0, logp - logp_alpha.float(), 0.0)
@@ -70,21 +80,33 @@ def torch_backward(logits, targets, lse, grad_logp, entropy, grad_entropy, inv_t
     """Write dlogits = (g (onehot - p) - g_H p (log p + H)) / T into `out` (may alias logits).
 
     grad_logp [N] fp32 must already be 0 on ignored rows; grad_entropy is None when the entropy
-    is not differentiated."""
+    is not differentiated. For fp32 the gradient is built in place in `out` (no temporary unless
+    the entropy is differentiated); other dtypes go through one fp32 block."""
     n_rows, n_cols = logits.shape
     for r0, r1 in _row_blocks(n_rows, n_cols):
-        # Read the block fully into a temporary before writing `out`, which may be the same memory.
-        log_p = logits[r0:r1].float() * inv_temperature - lse[r0:r1, None]
-        p = log_p.exp()
-        g = grad_logp[r0:r1]
-        dz = p * (-g[:, None])
+        x, o = logits[r0:r1], out[r0:r1]
+        work = o if o.dtype == torch.float32 else torch.empty(o.shape, dtype=torch.float32, device=o.device)
+        # log p = z - lse, elementwise: safe when `work` is the very memory of x.
+        if inv_temperature == 1.0:
+            torch.sub(x.float(), lse[r0:r1, None], out=work)
+        else:
+            torch.mul(x.float(), inv_temperature, out=work).sub_(lse[r0:r1, None])
+        g = grad_logp[r0:r1, None]
+        if grad_entropy is None:
+            work.exp_().mul_(-g)  # -g p
+        else:
+            p = torch.exp(work)
+            # p (log p + H), with log p clamped finite so that p = 0 gives 0, not 0 * -inf
+            work.clamp_(min=torch.finfo(torch.float32).min).add_(entropy[r0:r1, None]).mul_(p)
+            work.mul_(-grad_entropy[r0:r1, None]).sub_(p.mul_(g))  # -g_H p (log p + H) - g p
         t = targets[r0:r1]
         valid = t >= 0
-        dz[valid, t[valid]] += g[valid]
-        if grad_entropy is not None:
-            h_term = torch.where(p > 0, p * (log_p + entropy[r0:r1, None]), 0.0)
-            dz -= grad_entropy[r0:r1, None] * h_term
-        out[r0:r1] = dz * inv_temperature
+        rows = torch.arange(r1 - r0, device=x.device)[valid]
+        work[rows, t[valid]] += grad_logp[r0:r1][valid]  # + g onehot
+        if inv_temperature != 1.0:
+            work.mul_(inv_temperature)
+        if work is not o:
+            o.copy_(work)
 
 
 # --------------------------------------------------------------------------- Triton kernels

@@ -1,0 +1,227 @@
+"""Memory and time of the LM-head + log-prob step, forward + backward, three ways:
+
+  (a) naive:   logits = hidden @ W^T; log_softmax(logits / T).gather(targets)     (plain autograd)
+  (b) logits:  logits = hidden @ W^T; kernels.token_logprobs(logits, targets, T)  (no [N, V] temporaries
+               beyond the logits and their gradient)
+  (c) fused:   kernels.lm_head_logprobs(hidden, W, targets, T)                    (chunks: [N, V] never exists)
+
+at Qwen2.5-0.5B sizes (N=2048 tokens, H=896, V=151936, fp32) by default; backend "auto" = the torch
+implementation on CPU, Triton on CUDA. Each variant runs in its own subprocess. Memory on CPU is the
+RSS high-water mark (resource.getrusage ru_maxrss) minus a baseline taken after the inputs are
+allocated and touched; on CUDA, torch.cuda.max_memory_allocated minus the allocation after the inputs.
+"above floor" also subtracts the gradients that any method must return (grad of hidden and of the
+weight: fp32 [V, H] = 544 MB at these sizes). Then the shared memory of every Triton kernel variant,
+compiled ahead of time for sm_90 (kernels/aot.py, no GPU needed).
+
+    .venv/bin/python bench/kernels.py            # full sizes, ~1-2 min on 2 cores
+    .venv/bin/python bench/kernels.py --quick    # small sizes, seconds
+    .venv/bin/python bench/kernels.py --chunk-sweep 128 256 512   # (c) at several chunk sizes
+
+Last line: JSON with each variant's figures and the ratios of (b) and (c) to (a).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+MB = 1024 * 1024
+
+
+def rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def forward(args, hidden, weight, targets):
+    """logp [N] of the variant named args.variant."""
+    import torch
+
+    import kernels
+
+    if args.variant == "naive":
+        log_probs = torch.log_softmax((hidden @ weight.t()).float() / args.temperature, dim=-1)
+        return log_probs.gather(1, targets[:, None])[:, 0]
+    if args.variant == "logits":
+        logits = hidden @ weight.t()
+        return kernels.token_logprobs(logits, targets, args.temperature, backend=args.backend)[0]
+    return kernels.lm_head_logprobs(hidden, weight, targets, args.temperature, chunk_tokens=args.chunk_tokens,
+                                    backend=args.backend)[0]
+
+
+def rss_now_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def worker(args) -> dict:
+    """One variant, one process: allocate inputs, measure the baseline, run forward + backward."""
+    import torch
+
+    import kernels
+
+    device = torch.device(args.device)
+    # Warm-up on tiny shapes: one-off initialisation (thread pools, BLAS/oneDNN buffers, Triton JIT)
+    # must not be counted against the variant.
+    tiny = [torch.randn(8, 16, device=device, requires_grad=True), torch.randn(64, 16, device=device, requires_grad=True)]
+    forward(args, tiny[0], tiny[1], torch.randint(0, 64, (8,), device=device)).sum().backward()
+    del tiny
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    # Filled in place: a temporary here would raise the RSS high-water mark above the baseline's
+    # true resident size and hide that much of the variant's peak.
+    hidden = torch.empty(args.n_tokens, args.hidden, device=device, dtype=dtype).normal_().requires_grad_()
+    weight = torch.empty(args.vocab, args.hidden, device=device, dtype=dtype).normal_(std=args.hidden ** -0.5)
+    weight.requires_grad_()
+    targets = torch.randint(0, args.vocab, (args.n_tokens,), device=device)
+    upstream = torch.randn(args.n_tokens, device=device)  # d loss / d logp, as the objective would give
+    gc.collect()
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        baseline = rss_peak_bytes()  # inputs are allocated and written: they are in the high-water mark
+        resident = rss_now_bytes()
+        if baseline > resident + 64 * MB:  # an earlier transient would make "peak - baseline" too small
+            raise SystemExit(f"baseline high-water {baseline / MB:.0f} MB exceeds resident {resident / MB:.0f} MB")
+    cpu0 = cpu_seconds()
+
+    t0 = time.perf_counter()
+    logp = forward(args, hidden, weight, targets)
+    t_forward = time.perf_counter() - t0
+    (logp * upstream).sum().backward()
+    if on_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    cpu = cpu_seconds() - cpu0
+
+    peak = (torch.cuda.max_memory_allocated() if on_cuda else rss_peak_bytes()) - baseline
+    floor = hidden.grad.numel() * hidden.grad.element_size() + weight.grad.numel() * weight.grad.element_size()
+    return dict(variant=args.variant, seconds=round(seconds, 2), forward_seconds=round(t_forward, 2),
+                cpu_seconds=round(cpu, 2),
+                peak_above_baseline_mb=round(peak / MB, 1), floor_mb=round(floor / MB, 1),
+                above_floor_mb=round((peak - floor) / MB, 1), chunk_tokens=args.chunk_tokens if args.variant == "fused" else None,
+                memory="cuda max_memory_allocated" if on_cuda else "RSS high-water (getrusage ru_maxrss)",
+                # checksums: the three variants compute the same thing
+                logp_sum=round(float(logp.detach().double().sum()), 3),
+                grad_weight_norm=round(float(weight.grad.double().norm()), 5),
+                grad_hidden_norm=round(float(hidden.grad.double().norm()), 5))
+
+
+def run_variant(args, variant: str, chunk_tokens: int) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--chunk-tokens", str(chunk_tokens),
+           "--n-tokens", str(args.n_tokens), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
+           "--dtype", args.dtype, "--temperature", str(args.temperature), "--device", args.device,
+           "--backend", args.backend]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench/kernels.py: variant {variant} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def shared_memory_report(quick: bool) -> list[dict]:
+    """Shared memory (bytes) of each Triton kernel variant, compiled for sm_90 in a subprocess."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    cmd = [sys.executable, "-m", "kernels.aot", "--arch", "90"] + (["--cover"] if quick else [])
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"(AOT compile failed: {proc.stderr[-2000:]})")
+        return []
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")][:-1]
+    return [dict(kernel=r["kernel"], variant=r["variant"], shared=r["shared"], num_warps=r["num_warps"]) for r in rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (N=512, H=128, V=16384), seconds")
+    ap.add_argument("--n-tokens", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=896)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--chunk-tokens", type=int, default=None, help="(c)'s chunk; default KernelConfig's")
+    ap.add_argument("--chunk-sweep", type=int, nargs="*", default=[], help="also run (c) at these chunk sizes")
+    ap.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    ap.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of all variants; the fastest round counts")
+    ap.add_argument("--no-shared", action="store_true", help="skip the AOT shared-memory report")
+    ap.add_argument("--worker", choices=["naive", "logits", "fused"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.chunk_tokens is None:
+        from kernels import KernelConfig
+        args.chunk_tokens = KernelConfig().chunk_tokens
+    if args.worker:
+        print(json.dumps(worker(argparse.Namespace(**{**vars(args), "variant": args.worker}))))
+        return
+    if args.quick:
+        args.n_tokens, args.hidden, args.vocab = 512, 128, 16384
+
+    print(f"LM head + log-probs, forward+backward: N={args.n_tokens} H={args.hidden} V={args.vocab} "
+          f"{args.dtype} on {args.device}, backend {args.backend}, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}")
+    plan = [("a_naive", "naive", args.chunk_tokens), ("b_logits", "logits", args.chunk_tokens),
+            ("c_fused", "fused", args.chunk_tokens)] + [(f"c_fused_chunk{c}", "fused", c) for c in args.chunk_sweep]
+    results = {}
+    # Rounds of a, b, c, ... in turn; each variant keeps its fastest round (the machine is shared,
+    # so the minimum is the least disturbed figure). Memory is deterministic enough: the max is kept.
+    for round_ in range(args.repeats):
+        for label, variant, chunk in plan:
+            r = run_variant(args, variant, chunk)
+            print(json.dumps({label: r, "round": round_}))
+            if label in results:
+                best = min(results[label], r, key=lambda x: x["seconds"])
+                best = {**best, "peak_above_baseline_mb": max(results[label]["peak_above_baseline_mb"], r["peak_above_baseline_mb"]),
+                        "above_floor_mb": max(results[label]["above_floor_mb"], r["above_floor_mb"])}
+                r = best
+            results[label] = r
+
+    if not args.no_shared:
+        print("Triton kernels compiled for sm_90: shared memory per variant (bytes)")
+        shared = shared_memory_report(args.quick)
+        for r in shared:
+            print(f"  {r['kernel']:<22} {r['variant']:<62} shared={r['shared']:<6} warps={r['num_warps']}")
+        results["shared_memory_max_bytes"] = max((r["shared"] for r in shared), default=None)
+
+    base = results["a_naive"]
+    summary = {"sizes": dict(N=args.n_tokens, H=args.hidden, V=args.vocab, dtype=args.dtype, device=args.device)}
+    for label, r in results.items():
+        if not isinstance(r, dict):
+            continue
+        summary[label] = dict(seconds=r["seconds"], cpu_seconds=r["cpu_seconds"], above_floor_mb=r["above_floor_mb"],
+                              peak_above_baseline_mb=r["peak_above_baseline_mb"])
+        if label != "a_naive":
+            summary[label]["time_ratio_vs_a"] = round(r["seconds"] / base["seconds"], 3)
+            summary[label]["cpu_time_ratio_vs_a"] = round(r["cpu_seconds"] / base["cpu_seconds"], 3)
+            summary[label]["mem_above_floor_ratio_vs_a"] = round(r["above_floor_mb"] / base["above_floor_mb"], 3)
+    summary["floor_mb"] = base["floor_mb"]
+    summary["shared_memory_max_bytes"] = results.get("shared_memory_max_bytes")
+    c = summary["c_fused"]
+    summary["target_met"] = bool(c["mem_above_floor_ratio_vs_a"] <= 0.10 and c["time_ratio_vs_a"] <= 1.5)
+    print(json.dumps(summary))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+if __name__ == "__main__":
+    main()
