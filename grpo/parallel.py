@@ -108,3 +108,12 @@ def broadcast_json(obj, src: int = 0):
     buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(int(size), dtype=torch.uint8)
     dist.broadcast(buf, src=src)
     return json.loads(bytes(buf.tolist()) if dist.get_rank() != src else payload)
+
+
+def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model on rank 0's CPU (other ranks get {}), for weight pushes and exports.
+
+    Collective. Tied embeddings come back as separate tensors, so safetensors can save them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,95 @@
+"""The training run's config: Algorithm 1's knobs plus one section per component.
+
+A YAML file under configs/ fills this tree; `train.py --config F a.b=c` overrides single keys. The
+sections of other components are defined next to the code that reads them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from grpo.checkpoint import CheckpointConfig
+from grpo.client import ServerConfig
+from grpo.data import DataConfig
+from grpo.evaluation import EvalConfig
+from grpo.metrics import LogConfig
+from grpo.objective import ObjectiveConfig
+from grpo.rewards import RewardConfig
+from kernels import KernelConfig
+
+
+@dataclass
+class ModelConfig:
+    path: str = ".cache/models/smollm2"  # HF model directory (or hub name where the hub is reachable)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # training params: auto = bf16 mixed precision on GPU, fp32 on CPU
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (memory for time)
+    trust_remote_code: bool = False  # allow model code from the model directory (off: safety)
+
+
+@dataclass
+class GRPOConfig:
+    """Algorithm 1 of Mroueh et al. (2505.22257)."""
+
+    S: int = 1  # stages; after each, pi_ref <- pi_theta
+    M: int = 10  # iterations (batches) per stage
+    v: int = 1  # push weights to the inference server every v iterations (v > 1: off-policy GRPO)
+    i: int = 1  # SGD iterations (optimizer steps) on each batch
+    G: int = 8  # completions sampled per prompt
+    batch_prompts: int = 8  # prompts per iteration (global, across ranks)
+    max_new_tokens: int = 128  # completion budget; longer ones are truncated
+    temperature: float = 1.0  # sampling temperature; log-probs of pi, pi_k, pi_ref use the same T
+    top_p: float = 1.0  # nucleus sampling (1.0 keeps alpha's log-probs exact)
+
+    def __post_init__(self):
+        for name in ("S", "M", "v", "i", "batch_prompts", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.G < 2:
+            raise ValueError(f"G: group size must be >= 2 (advantages need a group), got {self.G}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature: must be > 0 (the trainer divides logits by it), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6  # AdamW peak learning rate
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm (0: off)
+    warmup_steps: int = 0  # linear warmup (optimizer steps)
+    schedule: Literal["constant", "cosine"] = "constant"  # after warmup
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    token_budget: int = 4096  # padded tokens per micro-batch per rank; gradients accumulate over micro-batches
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip: must be >= 0, got {self.grad_clip}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.token_budget < 1:
+            raise ValueError(f"token_budget: must be >= 1, got {self.token_budget}")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0  # seeds data order, sampling engine and torch
+    model: ModelConfig = field(default_factory=ModelConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval_every: int = 0  # evaluate on the held-out set every N iterations (0: only before and after)
+    eval_data: Optional[DataConfig] = None  # held-out problems for periodic eval (None: no periodic eval)
