@@ -203,3 +203,70 @@ def test_select_problems_first_and_seeded_random():
     assert a == select_problems(items, EvalConfig(n_problems=4, subset="random", seed=1))
     assert len(set(a)) == 4 and a == sorted(a)
     assert select_problems(items, EvalConfig(n_problems=50)) == items
+
+
+def _run_eval(args):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, str(root / "eval.py"), *map(str, args)], capture_output=True, text=True,
+                          timeout=300, cwd=root)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dataset", "gsm9k"], "data.dataset: must be one of"),
+        (["--dataset", "{tmp}/missing.jsonl"], "file not found"),
+        (["--model", "{tmp}/no-weights"], "has config.json but no weights"),
+        (["--model", "{tmp}"], "holds no model weights"),
+        (["--config", "{tmp}/missing.yaml"], "config file not found"),
+        (["eval.k=0"], "eval.k: samples per problem must be >= 1"),
+    ],
+)
+def test_eval_bad_input_gives_one_line_errors(tmp_path, capsys, args, message):
+    import eval as eval_script
+
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "config.json").write_text("{}")
+    assert eval_script.main([a.format(tmp=tmp_path) for a in args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("eval.py: error:") and message in err and "\n" not in err, err
+
+
+def test_eval_bad_input_exit_code_of_the_real_process(tmp_path):
+    result = _run_eval(["--dataset", tmp_path / "missing.jsonl"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"eval.py: error: dataset '{tmp_path / 'missing.jsonl'}': file not found: " \
+                                    f"{tmp_path / 'missing.jsonl'}"
+
+
+def test_resolve_model_dir_finds_a_run_export(tmp_path):
+    import os
+    import time
+
+    from eval import EvalError, resolve_model_dir
+
+    def hf_dir(path, tokenizer=True):
+        path.mkdir(parents=True)
+        (path / "config.json").write_text("{}")
+        (path / "model.safetensors").write_bytes(b"")
+        if tokenizer:
+            (path / "tokenizer.json").write_text("{}")
+        return path
+
+    run = tmp_path / "run"
+    older = hf_dir(run / "exports" / "step_10")
+    newer = hf_dir(run / "exports" / "step_20")
+    hf_dir(run / "weights" / "weights_v3", tokenizer=False)  # a server push: no tokenizer, not an export
+    past = time.time() - 100
+    os.utime(older / "model.safetensors", (past, past))
+    assert resolve_model_dir(str(run)) == newer
+    final = hf_dir(run / "final")
+    os.utime(final / "model.safetensors", (past - 100, past - 100))
+    assert resolve_model_dir(str(run)) == final  # final/ wins over newer exports
+    assert resolve_model_dir(str(final)) == final
+    with pytest.raises(EvalError, match="no tokenizer"):
+        resolve_model_dir(str(run / "weights" / "weights_v3"))
