@@ -73,15 +73,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _pick(backend: str, config: Optional[KernelConfig]) -> KernelConfig:
+    """The config to use: `config` (default KernelConfig()) with its backend replaced by `backend`
+    unless that is "auto"."""
     config = config or KernelConfig()
     if backend != "auto":
         config = KernelConfig(**{**config.__dict__, "backend": backend})
     return config
 
 
-def _logprob_impl(backend: str, config: KernelConfig, device: torch.device, n_cols: int) -> LogprobImpl:
-    resolved = resolve_backend(config.backend if backend == "auto" else backend, device)
-    if resolved == "torch":
+def _logprob_impl(config: KernelConfig, device: torch.device, n_cols: int) -> LogprobImpl:
+    """The log-prob implementation and launch parameters for tensors on `device` with n_cols columns."""
+    if resolve_backend(config.backend, device) == "torch":
         return LogprobImpl("torch")
     on_gpu = device.type == "cuda"
     rows = config.rows_per_program or (1 if on_gpu else 16)
@@ -122,7 +124,7 @@ def token_logprobs(logits, targets, temperature=1.0, logp_alpha=None, with_entro
         raise ValueError(f"logp_alpha: expected shape [{n_rows}], got {list(logp_alpha.shape)}")
     inv_temperature = _check_temperature(temperature)
     config = _pick(backend, config)
-    impl = _logprob_impl(config.backend, config, logits.device, n_cols)
+    impl = _logprob_impl(config, logits.device, n_cols)
     targets = targets.to(torch.int64).contiguous()  # the kernels are compiled for int64 ids
     if logp_alpha is not None:
         logp_alpha = logp_alpha.detach().float().contiguous()
@@ -148,7 +150,7 @@ def lm_head_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None
     config = _pick(backend, config)
     if chunk_tokens is not None:
         config = KernelConfig(**{**config.__dict__, "chunk_tokens": chunk_tokens})
-    impl = _logprob_impl(config.backend, config, hidden.device, n_cols)
+    impl = _logprob_impl(config, hidden.device, n_cols)
     logp, entropy = LMHeadLogprobs.apply(hidden, weight, targets.to(torch.int64).contiguous(), inv_temperature,
                                          bool(with_entropy), config.chunk_tokens, impl)
     return logp, entropy

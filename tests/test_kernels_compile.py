@@ -63,7 +63,7 @@ def test_compiled_variants_cover_what_the_dispatch_picks():
         key = {**kernel_constexprs(cfg, with_ref), "BLOCK": kernels.KernelConfig().loss_block}
         assert tuple(sorted(key.items())) in compiled, key
     # Log-prob kernels: the GPU launch defaults of the dispatch are the compiled ones (Qwen vocab).
-    impl = kernels._logprob_impl("triton", kernels.KernelConfig(), torch.device("cuda"), 151936)
+    impl = kernels._logprob_impl(kernels.KernelConfig(backend="triton"), torch.device("cuda"), 151936)
     assert impl.launch == dict(rows_per_program=aot.GPU_ROWS, block_v=aot.GPU_BLOCK_V, num_warps=aot.GPU_WARPS)
 
 
