@@ -41,7 +41,9 @@ class RewardConfig:
     format_weight: float = 0.0  # weight of the format term (exactly one \boxed{}); correctness gets 1 - this
     timeout_s: float = 5.0  # deadline per completion in a worker; past it the completion scores 0
     workers: int = 2  # worker processes; 0 = score in this process (main thread only, math-verify's alarm)
-    require_boxed: bool = True  # no \boxed{} -> correct = 0; False = let math-verify find an answer anywhere
+    # No \boxed{} -> correct = 0. False: math-verify takes the answer from the text ("the answer is",
+    # else the last number), for models that rarely box (SmolLM2-135M: 56 of 64 samples unboxed).
+    require_boxed: bool = True
     start_timeout_s: float = 120.0  # a worker not ready after this long is an error (e.g. import failure)
 
     def __post_init__(self):

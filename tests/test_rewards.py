@@ -113,6 +113,8 @@ def test_inline_mode_and_unboxed_answers():
         assert s.score(completions, golds)[0] == [1.0, 0.0, 1.0, 0.0]
     with RewardScorer(RewardConfig(workers=0, require_boxed=False)) as s:
         assert s.score(completions, golds)[0] == [1.0, 1.0, 1.0, 0.0]
+        # Unboxed, the last number counts: listing candidates does not earn the reward.
+        assert s.score(["19 20 21 22", "2 + 17 = 19", "2 + 17 = 19, no wait 20"], ["19"] * 3)[0] == [0.0, 1.0, 0.0]
 
 
 def test_duplicates_are_scored_once(scorer):
@@ -138,8 +140,8 @@ def test_adversarial_completions_time_out_and_pool_recovers(scorer):
     elapsed = time.monotonic() - start
     assert rewards == [0.0, 0.0, 1.0]
     assert info["timeouts"] == 2
-    # Both run in parallel and are cut at the deadline; the third waits for a fresh worker (~1 s).
-    assert elapsed < TIMEOUT_S + 6, elapsed
+    # Both run in parallel and are cut at the deadline; the third waits for a fresh worker (~1 s idle).
+    assert elapsed < TIMEOUT_S + 12, elapsed  # slack for a worker restart on a contended machine
     assert not old_pids & {w.process.pid for w in scorer._workers}  # the stuck workers were replaced
     solutions, gold = _gsm8k_rows()
     rewards, info = scorer.score(solutions[:40], gold[:40])
