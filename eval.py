@@ -83,16 +83,16 @@ def resolve_model_dir(model: str) -> Path:
             raise EvalError(f"model: {path} has config.json but no weights (*.safetensors)")
         if not _has_tokenizer(path):
             raise EvalError(f"model: {path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
-        return path
+        return path.resolve()
     final = path / "final"
     if _has_weights(final) and _has_tokenizer(final):
-        return final
+        return final.resolve()
     exports = [d for d in [*path.glob("*"), *path.glob("*/*")]
                if d.is_dir() and not d.name.endswith((".tmp", ".old")) and _has_weights(d) and _has_tokenizer(d)]
     if not exports:
         raise EvalError(f"model: {path} holds no model weights: expected config.json + *.safetensors in it, "
                         f"or a run directory with an exported HF model in final/ (or a subdirectory)")
-    return max(exports, key=lambda d: max(f.stat().st_mtime for f in d.glob("*.safetensors")))
+    return max(exports, key=lambda d: max(f.stat().st_mtime for f in d.glob("*.safetensors"))).resolve()
 
 
 # ----------------------------------------------------------------------------- config

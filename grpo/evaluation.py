@@ -108,12 +108,12 @@ def summarize(records: Sequence[dict], pass_k: Sequence[int], wall_time_s: Optio
 
     pass@1 is the mean over problems of c_j / n_j (the paper's Pass@1 over K samples);
     pass@k uses the unbiased estimator per problem, then the mean; maj@k votes over the first k.
-    k values larger than the smallest per-problem sample count are left out.
+    k values larger than the smallest per-problem sample count K are left out; 1 and K are always in.
     """
     if not records:
         raise ValueError("summarize: no records (no problems were evaluated)")
     n_min = min(len(r["correct"]) for r in records)
-    ks = sorted({k for k in pass_k if k <= n_min} | {1})
+    ks = sorted({k for k in pass_k if k <= n_min} | {1, n_min})  # pass@K (all samples) always
     n_samples = sum(len(r["correct"]) for r in records)
     summary: dict[str, Any] = {
         "n_problems": len(records),

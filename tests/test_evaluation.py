@@ -257,7 +257,7 @@ def test_resolve_model_dir_finds_a_run_export(tmp_path):
             (path / "tokenizer.json").write_text("{}")
         return path
 
-    run = tmp_path / "run"
+    run = (tmp_path / "run").resolve()
     older = hf_dir(run / "exports" / "step_10")
     newer = hf_dir(run / "exports" / "step_20")
     hf_dir(run / "weights" / "weights_v3", tokenizer=False)  # a server push: no tokenizer, not an export
