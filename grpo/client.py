@@ -300,6 +300,8 @@ class InferenceServer:
         model_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
         owns_root = cfg.weights_root is None
         root = Path(cfg.weights_root) if cfg.weights_root else default_weights_root(run_dir, model_bytes, cfg.keep_last)
+        if owns_root:  # leftovers of an earlier run in the same run dir: a new server starts at version 0
+            shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         token = secrets.token_urlsafe(32)
         token_file = server_dir / "token"

@@ -231,6 +231,7 @@ class WeightsState:
         self.gate = VersionGate()
         self.version, self.step, self.serving_dir = 0, 0, model_dir
         self.broken: Optional[str] = None  # set if a rollback failed; health then says 503
+        self.served_digest: Optional[str] = None  # lets a retried upload of the served version succeed
         config = json.loads((model_dir / "config.json").read_text())
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.expected = _expected_tensors(model_dir)
@@ -296,6 +297,7 @@ class WeightsState:
             await self.engine.reset_prefix_cache()
             seconds = time.perf_counter() - t0
             self.version, self.step, self.serving_dir = version, manifest.get("step", 0), path
+            self.served_digest = manifest["files"][0][manifest["hash"]]
             if path.parent == Path(os.path.realpath(self.root)):
                 (self.root / SERVING_MARKER).write_text(path.name + "\n")
         return {"version": version, "seconds": seconds, "bytes": sum(f["bytes"] for f in manifest["files"])}
@@ -411,8 +413,12 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
         if length is None or not length.isdigit():
             return error(411, "Content-Length is required")
         final = state.root / weights_dir_name(version)
-        if final.exists() or version <= state.version:
-            return error(409, f"version {version} is not newer than the served version {state.version} or exists")
+        if version == state.version and state.serving_dir == final and state.served_digest == digest:
+            return {"version": version, "seconds": 0.0, "bytes": 0, "unchanged": True}  # a retried push
+        if version <= state.version:
+            return error(409, f"version {version} is not newer than the served version {state.version}")
+        if final.exists():
+            return error(409, f"{final} exists already (another upload of version {version}?)")
         tmp = state.root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir(mode=0o700, parents=True)
         try:

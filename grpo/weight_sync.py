@@ -40,7 +40,7 @@ MANIFEST_FORMAT = "grpo-weights/1"
 SERVING_MARKER = "SERVING"  # a file in the root naming the directory the server serves now
 HASH_ALGOS = ("sha256", "blake3")
 _DIR_RE = re.compile(r"^weights-v(\d+)$")
-_TMP_RE = re.compile(r"^\.tmp-weights-v\d+-(\d+)-[0-9a-f]+$")
+_TMP_RE = re.compile(r"^\.tmp-weights-v\d+-(\d+)-[0-9a-f]+(-old)?$")
 _CONFIG_FILES = ("config.json", "generation_config.json")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 _ST_DTYPES = {
@@ -194,16 +194,14 @@ def write_weights(state_dict: dict[str, torch.Tensor], model_dir_or_config: str 
     """Write `root/weights-v<version>/` atomically: model.safetensors, config.json(s), manifest.json.
 
     `state_dict` is the full model in any float dtype (cast to `dtype`, the serving dtype, with no
-    copy where it already is). Returns the final directory. Raises WeightPushError if that
-    version already exists (versions name directories, so a version is written once).
+    copy where it already is). Returns the final directory; an existing directory of the same
+    version (a resumed run) is replaced.
     """
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise WeightPushError(f"version: must be an integer >= 0, got {version!r}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     final = root / weights_dir_name(version)
-    if final.exists():
-        raise WeightPushError(f"{final} already exists: version {version} was written before")
     configs = _config_sources(model_dir_or_config)
     tied = bool(json.loads(configs["config.json"]).get("tie_word_embeddings", False))
     tensors = _serving_tensors(state_dict, dtype, tie_word_embeddings=tied)
@@ -225,8 +223,16 @@ def write_weights(state_dict: dict[str, torch.Tensor], model_dir_or_config: str 
             os.fsync(fd)
             os.close(fd)
         _fsync_dir(tmp)
+        # A run resumed from a checkpoint may write a version again: the older directory is
+        # moved aside first (the server refuses versions it has already passed anyway).
+        stale = None
+        if final.exists():
+            stale = root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}-old"
+            os.rename(final, stale)
         os.rename(tmp, final)  # atomic: a reader sees no directory or a complete one
         _fsync_dir(root)
+        if stale is not None:
+            shutil.rmtree(stale, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -149,8 +149,7 @@ def test_bad_pushes_are_rejected_and_old_weights_keep_serving(server, tiny):
     with pytest.raises(InferenceServerError, match="mismatch"):
         client.push_weights(d, version=7, mode="bytes")
 
-    d = write_weights(sd, tiny["model_dir"], root, version=1, step=0, dtype=torch.float32) \
-        if not (root / "weights-v00000001").exists() else root / "weights-v00000001"
+    d = write_weights(sd, tiny["model_dir"], root, version=1, step=0, dtype=torch.float32)
     with pytest.raises(InferenceServerError, match="not newer") as e:
         client.push_weights(d, version=1)
     assert e.value.status == 409
@@ -185,27 +184,40 @@ def test_token_is_required_and_dev_routes_are_absent(server, tiny):
 
 @pytest.mark.vllm
 def test_generation_waits_during_a_push(server, tiny):
-    results, errors = [], []
+    """Greedy requests racing a push each come entirely from version 2 or entirely from 3.
+
+    A reload in the middle of a sequence would give a mixture that matches neither.
+    """
+    prompts = tiny["prompt_ids"]
+    v2, _ = _greedy(server.client, prompts, max_tokens=48)
+    records, errors, pushed = [], [], threading.Event()
 
     def sample():
         try:
-            results.append(server.client.generate(tiny["prompt_ids"] * 4, n=4, max_tokens=48, temperature=1.0))
+            for _ in range(50):
+                done = pushed.is_set()
+                records.append(_greedy(server.client, prompts, max_tokens=48))
+                if done:
+                    return
         except Exception as e:  # reported below
             errors.append(e)
 
     threads = [threading.Thread(target=sample) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
+    time.sleep(0.3)
     d = write_weights(_perturbed(tiny["hf"], seed=4), tiny["model_dir"], server.weights_root, version=3, step=30,
                       dtype=torch.float32)
     assert server.client.push_weights(d, version=3)["version"] == 3
-    late = server.client.generate(tiny["prompt_ids"], n=2, max_tokens=4, temperature=1.0)
+    pushed.set()
     for t in threads:
         t.join()
     assert not errors, errors
-    assert sorted({r.weights_version for r in results}) <= [2, 3] and len(results) == 3
-    assert late.weights_version == 3
+    v3, _ = _greedy(server.client, prompts, max_tokens=48)
+    assert v3 != v2
+    assert {version for _, version in records} == {2, 3}
+    for outputs, version in records:
+        assert outputs == (v2 if version == 2 else v3)
 
 
 @pytest.mark.vllm

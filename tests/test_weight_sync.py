@@ -80,11 +80,15 @@ def test_tied_lm_head_is_written_once_and_hf_loads_it(tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_existing_version_and_empty_state_dict_are_refused(tmp_path):
+def test_rewritten_version_replaces_and_empty_state_dict_is_refused(tmp_path):
     cfg = _config_dir(tmp_path)
     write_weights(_state_dict(), cfg, tmp_path / "root", version=1, step=0, dtype=torch.float32)
-    with pytest.raises(WeightPushError, match="already exists"):
-        write_weights(_state_dict(), cfg, tmp_path / "root", version=1, step=0, dtype=torch.float32)
+    zeros = {k: torch.zeros_like(v) for k, v in _state_dict().items()}
+    out = write_weights(zeros, cfg, tmp_path / "root", version=1, step=7, dtype=torch.float32)  # a resumed run
+    assert verify_weights_dir(out, tmp_path / "root")["step"] == 7
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert not f.get_tensor("model.norm.weight").any()
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == ["weights-v00000001"]
     with pytest.raises(WeightPushError, match="empty"):
         write_weights({}, cfg, tmp_path / "root", version=2, step=0, dtype=torch.float32)
     with pytest.raises(WeightPushError, match="config.json"):
