@@ -4,6 +4,8 @@
   (b) logits:  logits = hidden @ W^T; kernels.token_logprobs(logits, targets, T)  (no [N, V] temporaries
                beyond the logits and their gradient)
   (c) fused:   kernels.lm_head_logprobs(hidden, W, targets, T)                    (chunks: [N, V] never exists)
+  (d) fused_objective: kernels.lm_head_objective(...) with loss="reinforce", adv = the same upstream
+               gradient: the same loss up to sign, gradients computed during the forward (no recompute)
 
 at Qwen2.5-0.5B sizes (N=2048 tokens, H=896, V=151936, fp32) by default; backend "auto" = the torch
 implementation on CPU, Triton on CUDA. Each variant runs in its own subprocess. Memory on CPU is the
@@ -17,7 +19,8 @@ compiled ahead of time for sm_90 (kernels/aot.py, no GPU needed).
     .venv/bin/python bench/kernels.py --quick    # small sizes, seconds
     .venv/bin/python bench/kernels.py --chunk-sweep 128 256 512   # (c) at several chunk sizes
 
-Last line: JSON with each variant's figures and the ratios of (b) and (c) to (a).
+Every variant computes loss = sum(g * logp) for one fixed random g (d: its negative), so the
+checksums of the gradients agree. Last line: JSON with each variant's figures and ratios to (a).
 """
 from __future__ import annotations
 
@@ -40,20 +43,30 @@ def rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def forward(args, hidden, weight, targets):
-    """logp [N] of the variant named args.variant."""
+def forward(args, hidden, weight, targets, upstream):
+    """(loss, logp [N]) of the variant named args.variant; loss = sum(upstream * logp) up to sign."""
     import torch
 
     import kernels
 
     if args.variant == "naive":
         log_probs = torch.log_softmax((hidden @ weight.t()).float() / args.temperature, dim=-1)
-        return log_probs.gather(1, targets[:, None])[:, 0]
-    if args.variant == "logits":
+        logp = log_probs.gather(1, targets[:, None])[:, 0]
+    elif args.variant == "logits":
         logits = hidden @ weight.t()
-        return kernels.token_logprobs(logits, targets, args.temperature, backend=args.backend)[0]
-    return kernels.lm_head_logprobs(hidden, weight, targets, args.temperature, chunk_tokens=args.chunk_tokens,
-                                    backend=args.backend)[0]
+        logp = kernels.token_logprobs(logits, targets, args.temperature, backend=args.backend)[0]
+    elif args.variant == "fused":
+        logp = kernels.lm_head_logprobs(hidden, weight, targets, args.temperature, chunk_tokens=args.chunk_tokens,
+                                        backend=args.backend)[0]
+    else:  # fused_objective: REINFORCE with adv = upstream, weights 1 -> loss = -sum(upstream * logp)
+        from grpo.objective import ObjectiveConfig
+
+        zeros, ones = torch.zeros_like(upstream), torch.ones_like(upstream)
+        loss, _, logp = kernels.lm_head_objective(hidden, weight, targets, zeros, None, None, upstream, ones,
+                                                  ObjectiveConfig(loss="reinforce"), args.temperature,
+                                                  chunk_tokens=args.chunk_tokens, backend=args.backend)
+        return -loss, logp
+    return (logp * upstream).sum(), logp
 
 
 def rss_now_bytes() -> int:
@@ -78,7 +91,7 @@ def worker(args) -> dict:
     # Warm-up on tiny shapes: one-off initialisation (thread pools, BLAS/oneDNN buffers, Triton JIT)
     # must not be counted against the variant.
     tiny = [torch.randn(8, 16, device=device, requires_grad=True), torch.randn(64, 16, device=device, requires_grad=True)]
-    forward(args, tiny[0], tiny[1], torch.randint(0, 64, (8,), device=device)).sum().backward()
+    forward(args, tiny[0], tiny[1], torch.randint(0, 64, (8,), device=device), torch.randn(8, device=device))[0].backward()
     del tiny
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
@@ -103,9 +116,9 @@ def worker(args) -> dict:
     cpu0 = cpu_seconds()
 
     t0 = time.perf_counter()
-    logp = forward(args, hidden, weight, targets)
+    loss, logp = forward(args, hidden, weight, targets, upstream)
     t_forward = time.perf_counter() - t0
-    (logp * upstream).sum().backward()
+    loss.backward()
     if on_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -116,7 +129,7 @@ def worker(args) -> dict:
     return dict(variant=args.variant, seconds=round(seconds, 2), forward_seconds=round(t_forward, 2),
                 cpu_seconds=round(cpu, 2),
                 peak_above_baseline_mb=round(peak / MB, 1), floor_mb=round(floor / MB, 1),
-                above_floor_mb=round((peak - floor) / MB, 1), chunk_tokens=args.chunk_tokens if args.variant == "fused" else None,
+                above_floor_mb=round((peak - floor) / MB, 1), chunk_tokens=args.chunk_tokens if args.variant.startswith("fused") else None,
                 memory="cuda max_memory_allocated" if on_cuda else "RSS high-water (getrusage ru_maxrss)",
                 # checksums: the three variants compute the same thing
                 logp_sum=round(float(logp.detach().double().sum()), 3),
@@ -164,7 +177,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per variant (0: torch's default)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of all variants; the fastest round counts")
     ap.add_argument("--no-shared", action="store_true", help="skip the AOT shared-memory report")
-    ap.add_argument("--worker", choices=["naive", "logits", "fused"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["naive", "logits", "fused", "fused_objective"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.chunk_tokens is None:
         from kernels import KernelConfig
@@ -179,7 +192,7 @@ def main() -> None:
           f"{args.dtype} on {args.device}, backend {args.backend}, torch threads {args.threads or 'default'}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     plan = [("a_naive", "naive", args.chunk_tokens), ("b_logits", "logits", args.chunk_tokens),
-            ("c_fused", "fused", args.chunk_tokens)] + [(f"c_fused_chunk{c}", "fused", c) for c in args.chunk_sweep]
+            ("c_fused", "fused", args.chunk_tokens), ("d_fused_objective", "fused_objective", args.chunk_tokens)] + [(f"c_fused_chunk{c}", "fused", c) for c in args.chunk_sweep]
     results = {}
     # Rounds of a, b, c, ... in turn; each variant keeps its fastest round (the machine is shared,
     # so the minimum is the least disturbed figure). Memory is deterministic enough: the max is kept.

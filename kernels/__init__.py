@@ -17,9 +17,9 @@ from typing import Literal, Optional
 
 import torch
 
-from .lm_head import LMHeadLogprobs
+from .lm_head import LMHeadLogprobs, LMHeadObjective
 from .logprobs import LogprobImpl, TokenLogprobs
-from .loss import STAT_KEYS, GRPOObjective
+from .loss import STAT_KEYS, GRPOObjective, torch_objective, triton_objective
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -193,4 +193,39 @@ def grpo_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, backen
     return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}
 
 
-__all__ = ["KernelConfig", "token_logprobs", "lm_head_logprobs", "grpo_objective", "resolve_backend", "BACKENDS"]
+def lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg, temperature=1.0,
+                      chunk_tokens=None, backend="auto", config: Optional[KernelConfig] = None):
+    """grpo_objective(lm_head_logprobs(hidden, weight, targets, temperature), ...) in one chunked pass
+    that computes the gradients of hidden and weight during the forward (3 matmuls, no recompute).
+
+    Per-token tensors (logp_alpha, logp_k or None, logp_ref or None, adv, weights) are flat [N],
+    aligned with the rows of hidden; targets < 0 are ignored rows (give them weight 0 too).
+    Returns (loss, stats, logp [N] detached) with loss and stats as grpo.objective.objective's.
+    Use it when the loss is exactly the objective of logp (nothing else differentiates logp)."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden/weight: expected [N, H] and [V, H], got {list(hidden.shape)} and {list(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden/weight: dtypes differ ({hidden.dtype} vs {weight.dtype}); cast one first")
+    n_rows, n_cols = hidden.shape[0], weight.shape[0]
+    _check_targets(targets, n_rows, n_cols, "hidden")
+    for name, t in (("logp_alpha", logp_alpha), ("logp_k", logp_k), ("logp_ref", logp_ref), ("adv", adv),
+                    ("weights", weights)):
+        if t is not None and t.shape != (n_rows,):
+            raise ValueError(f"{name}: expected a flat [{n_rows}] tensor aligned with hidden's rows, got {list(t.shape)}")
+    if cfg.beta > 0 and logp_ref is None:
+        raise ValueError("logp_ref: beta > 0 needs the reference policy's log-probs")
+    inv_temperature = _check_temperature(temperature)
+    config = _pick(backend, config)
+    if chunk_tokens is not None:
+        config = KernelConfig(**{**config.__dict__, "chunk_tokens": chunk_tokens})
+    impl = _logprob_impl(config, hidden.device, n_cols)
+    objective_fn = triton_objective if impl.backend == "triton" else torch_objective
+    flat = [None if t is None else t.detach().float().contiguous() for t in (logp_alpha, logp_k, logp_ref, adv, weights)]
+    loss, stats, logp = LMHeadObjective.apply(hidden, weight, targets.to(torch.int64).contiguous(), *flat, cfg,
+                                              inv_temperature, config.chunk_tokens, impl, objective_fn,
+                                              config.loss_block)
+    return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}, logp
+
+
+__all__ = ["KernelConfig", "token_logprobs", "lm_head_logprobs", "grpo_objective", "lm_head_objective",
+           "resolve_backend", "BACKENDS"]

@@ -81,3 +81,64 @@ class LMHeadLogprobs(torch.autograd.Function):
         if need_weight and weight.dtype != torch.float32:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
+
+
+class LMHeadObjective(torch.autograd.Function):
+    """hidden, weight -> (loss, stats vector, logp) of grpo.objective.objective, gradients computed
+    chunk by chunk DURING the forward: the per-token objective gives d loss / d logp_i from token i
+    alone, so each chunk's dlogits is known as soon as its logits are, and no recomputation is
+    needed (3 matmuls, as a plain forward + backward, instead of 4). Backward only scales them.
+
+    All per-token inputs are flat [N] fp32 (adv per token); objective_fn is loss.triton_objective or
+    loss.torch_objective."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg,
+                inv_temperature, chunk_tokens, impl: LogprobImpl, objective_fn, loss_block):
+        from .loss import merge_stat_vectors
+
+        n_rows = hidden.shape[0]
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        logp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+        loss, stats = None, None
+
+        def part(t, c0, c1):
+            return None if t is None else t[c0:c1]
+
+        for c0, c1 in _chunks(n_rows, chunk_tokens):
+            hidden_c = hidden[c0:c1]
+            logits = hidden_c @ weight.t()
+            logp_c, lse_c, _, _ = impl.forward(logits, targets[c0:c1], inv_temperature, False)
+            logp[c0:c1] = logp_c
+            loss_c, stats_c, g_c = objective_fn(logp_c, logp_alpha[c0:c1], part(logp_k, c0, c1),
+                                                part(logp_ref, c0, c1), adv[c0:c1], weights[c0:c1], cfg, loss_block)
+            loss = loss_c if loss is None else loss + loss_c
+            stats = merge_stat_vectors(stats, stats_c)
+            g_c = torch.where(targets[c0:c1] >= 0, g_c, 0.0).contiguous()
+            if not bool(g_c.any()):
+                continue
+            impl.backward(logits, targets[c0:c1], lse_c, g_c, None, None, inv_temperature, out=logits)
+            if need_hidden:
+                torch.mm(logits, weight, out=grad_hidden[c0:c1])
+            if need_weight:
+                if logits.dtype == torch.float32:
+                    grad_weight.addmm_(logits.t(), hidden_c)
+                else:
+                    grad_weight.addmm_(logits.t().float(), hidden_c.float())
+            del logits
+        if need_weight and weight.dtype != torch.float32:
+            grad_weight = grad_weight.to(weight.dtype)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(stats, logp)
+        return loss, stats, logp
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_stats, grad_logp):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # The loss is a scalar: its gradients were computed for d loss = 1; rescale unless that is it.
+        if float(grad_loss) != 1.0:
+            grad_hidden = grad_hidden * grad_loss if grad_hidden is not None else None
+            grad_weight = grad_weight * grad_loss if grad_weight is not None else None
+        return (grad_hidden, grad_weight) + (None,) * 12

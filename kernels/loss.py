@@ -199,6 +199,25 @@ def triton_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, bloc
     return stats[1].clone(), stats, grad_logp
 
 
+def torch_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, block=None):
+    """triton_objective's contract with grpo.objective.objective itself (autograd for the gradient)."""
+    from grpo.objective import objective  # imported late: grpo may import kernels
+
+    with torch.enable_grad():
+        leaf = logp.detach().requires_grad_()
+        loss, stats = objective(leaf, logp_alpha, logp_k, logp_ref, adv, weights, cfg)
+        (grad_logp,) = torch.autograd.grad(loss, leaf)
+    return loss.detach(), torch.stack([stats[key].float() for key in STAT_KEYS]), grad_logp
+
+
+def merge_stat_vectors(a, b):
+    """Stats vectors of two disjoint sets of tokens -> the stats of their union (sums add, max, min)."""
+    if a is None:
+        return b
+    return torch.cat([a[:12] + b[:12], torch.maximum(a[12:13], b[12:13]), torch.minimum(a[13:14], b[13:14]),
+                      torch.maximum(a[14:15], b[14:15]), torch.minimum(a[15:16], b[15:16])])
+
+
 class GRPOObjective(torch.autograd.Function):
     """objective(...) with the Triton kernel: forward computes the gradient too, backward scales it."""
 
