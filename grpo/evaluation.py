@@ -103,12 +103,16 @@ def maj_at_k(answers: Sequence[Optional[str]], correct: Sequence[bool], k: int) 
     return 1.0 if correct[first] else 0.0
 
 
-def summarize(records: Sequence[dict], pass_k: Sequence[int], wall_time_s: Optional[float] = None) -> dict:
+def summarize(records: Sequence[dict], pass_k: Sequence[int], wall_time_s: Optional[float] = None,
+              majority: bool = True) -> dict:
     """Summary of per-problem records (see `score_completions` for their fields).
 
     pass@1 is the mean over problems of c_j / n_j (the paper's Pass@1 over K samples);
     pass@k uses the unbiased estimator per problem, then the mean; maj@k votes over the first k.
     k values larger than the smallest per-problem sample count K are left out; 1 and K are always in.
+    majority=False leaves maj@k out: evaluate() does so when the scorer does not require a \\boxed{}
+    answer, since correctness then comes from an answer math-verify found anywhere in the text while
+    the votes are \\boxed{} contents only, and maj@k would mix the two.
     """
     if not records:
         raise ValueError("summarize: no records (no problems were evaluated)")
@@ -122,7 +126,7 @@ def summarize(records: Sequence[dict], pass_k: Sequence[int], wall_time_s: Optio
     }
     for k in ks:
         summary[f"pass@{k}"] = _mean(pass_at_k(len(r["correct"]), sum(r["correct"]), k) for r in records)
-    for k in ks:
+    for k in ks if majority else []:
         summary[f"maj@{k}"] = _mean(maj_at_k(r["extracted"], r["correct"], k) for r in records)
     lengths = [n for r in records for n in r["n_tokens"]]
     reasons = [f for r in records for f in r["finish_reasons"]]
@@ -189,7 +193,8 @@ def evaluate(client, tokenizer, problems: Sequence, data_cfg, eval_cfg: EvalConf
     tokenizer: the policy's; problems: grpo.data.Problem list (a held-out set); data_cfg: the
     DataConfig whose system prompt and instruction build the prompts (as in training);
     scorer: grpo.rewards.RewardScorer. Returns (summary, per-problem records); the summary holds
-    pass@k / maj@k for the k in eval_cfg.pass_k up to K, mean_completion_tokens, truncation_rate,
+    pass@k / maj@k for the k in eval_cfg.pass_k up to K (maj@k only with reward.require_boxed),
+    mean_completion_tokens, truncation_rate,
     wall_time_s and the server's weights_version (None if batches disagreed: a push happened).
     """
     from grpo.data import build_prompt, encode_prompt
@@ -220,7 +225,8 @@ def evaluate(client, tokenizer, problems: Sequence, data_cfg, eval_cfg: EvalConf
     finally:
         if bar is not None:
             bar.close()
-    summary = summarize(records, eval_cfg.pass_k, wall_time_s=time.monotonic() - t0)
+    majority = bool(getattr(getattr(scorer, "cfg", None), "require_boxed", True))
+    summary = summarize(records, eval_cfg.pass_k, wall_time_s=time.monotonic() - t0, majority=majority)
     summary["weights_version"] = versions.pop() if len(versions) == 1 else None
     return summary, records
 

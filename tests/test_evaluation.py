@@ -270,3 +270,10 @@ def test_resolve_model_dir_finds_a_run_export(tmp_path):
     assert resolve_model_dir(str(final)) == final
     with pytest.raises(EvalError, match="no tokenizer"):
         resolve_model_dir(str(run / "weights" / "weights_v3"))
+
+
+def test_summary_without_majority_leaves_maj_at_k_out():
+    records = [_record([True, False], [None, "3"], [4, 4], ["stop", "stop"])]
+    s = summarize(records, pass_k=[1, 2], majority=False)
+    assert s["pass@1"] == pytest.approx(0.5) and s["pass@2"] == pytest.approx(1.0)
+    assert not any(k.startswith("maj@") for k in s)
