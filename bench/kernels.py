@@ -4,8 +4,8 @@
   (b) logits:  logits = hidden @ W^T; kernels.token_logprobs(logits, targets, T)  (no [N, V] temporaries
                beyond the logits and their gradient)
   (c) fused:   kernels.lm_head_logprobs(hidden, W, targets, T)                    (chunks: [N, V] never exists)
-  (d) fused_objective: kernels.lm_head_objective(...) with loss="reinforce", adv = the same upstream
-               gradient: the same loss up to sign, gradients computed during the forward (no recompute)
+  (d) fused_objective: kernels.lm_head_objective(...) with loss="reinforce" (-A logp), A = -g: the same
+               loss, gradients computed during the forward (no recompute)
 
 at Qwen2.5-0.5B sizes (N=2048 tokens, H=896, V=151936, fp32) by default; backend "auto" = the torch
 implementation on CPU, Triton on CUDA. Each variant runs in its own subprocess. Memory on CPU is the
@@ -19,7 +19,7 @@ compiled ahead of time for sm_90 (kernels/aot.py, no GPU needed).
     .venv/bin/python bench/kernels.py --quick    # small sizes, seconds
     .venv/bin/python bench/kernels.py --chunk-sweep 128 256 512   # (c) at several chunk sizes
 
-Every variant computes loss = sum(g * logp) for one fixed random g (d: its negative), so the
+Every variant computes loss = sum(g * logp) for one fixed random g, so the
 checksums of the gradients agree. Last line: JSON with each variant's figures and ratios to (a).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def rss_peak_bytes() -> int:
 
 
 def forward(args, hidden, weight, targets, upstream):
-    """(loss, logp [N]) of the variant named args.variant; loss = sum(upstream * logp) up to sign."""
+    """(loss = sum(upstream * logp), logp [N]) of the variant named args.variant."""
     import torch
 
     import kernels
@@ -58,14 +58,14 @@ def forward(args, hidden, weight, targets, upstream):
     elif args.variant == "fused":
         logp = kernels.lm_head_logprobs(hidden, weight, targets, args.temperature, chunk_tokens=args.chunk_tokens,
                                         backend=args.backend)[0]
-    else:  # fused_objective: REINFORCE with adv = upstream, weights 1 -> loss = -sum(upstream * logp)
+    else:  # fused_objective: REINFORCE (-A logp) with A = -upstream, weights 1 -> loss = sum(upstream * logp)
         from grpo.objective import ObjectiveConfig
 
         zeros, ones = torch.zeros_like(upstream), torch.ones_like(upstream)
-        loss, _, logp = kernels.lm_head_objective(hidden, weight, targets, zeros, None, None, upstream, ones,
+        loss, _, logp = kernels.lm_head_objective(hidden, weight, targets, zeros, None, None, -upstream, ones,
                                                   ObjectiveConfig(loss="reinforce"), args.temperature,
                                                   chunk_tokens=args.chunk_tokens, backend=args.backend)
-        return -loss, logp
+        return loss, logp
     return (logp * upstream).sum(), logp
 
 

@@ -136,9 +136,15 @@ class LMHeadObjective(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_stats, grad_logp):
+        if getattr(ctx, "used", False):
+            raise RuntimeError("lm_head_objective: backward twice (retain_graph) is not supported: "
+                               "its gradients are computed once in the forward and scaled in place")
+        ctx.used = True
         grad_hidden, grad_weight = ctx.saved_tensors
-        # The loss is a scalar: its gradients were computed for d loss = 1; rescale unless that is it.
+        # The loss is a scalar: its gradients were computed for d loss = 1; rescale in place (a copy
+        # of the weight gradient would cost another [V, H]) unless that is it.
         if float(grad_loss) != 1.0:
-            grad_hidden = grad_hidden * grad_loss if grad_hidden is not None else None
-            grad_weight = grad_weight * grad_loss if grad_weight is not None else None
+            for grad in (grad_hidden, grad_weight):
+                if grad is not None:
+                    grad.mul_(grad_loss.to(grad.dtype))
         return (grad_hidden, grad_weight) + (None,) * 12

@@ -118,3 +118,15 @@ def test_lm_head_objective_matches_logprobs_then_objective(backend, loss_name):
     assert want_stats["clip_low_sum"] + want_stats["clip_high_sum"] > 0
     for g, w in zip(grads, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_lm_head_objective_backward_twice_is_refused():
+    from grpo.objective import ObjectiveConfig
+
+    hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
+    targets, zeros, ones = torch.randint(0, 30, (6,)), torch.zeros(6), torch.ones(6)
+    loss, _, _ = kernels.lm_head_objective(hidden, weight, targets, zeros, None, None, ones, ones,
+                                           ObjectiveConfig(loss="reinforce"))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward twice"):
+        loss.backward()
