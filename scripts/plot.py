@@ -4,7 +4,7 @@
 
 Each argument is a run directory holding metrics.jsonl (or a metrics.jsonl path itself): one JSON
 object per line with "step" and scalar metrics, written by train.py. One panel per key (by
-default reward_mean and every eval/* key any run logged), one line per run. Rows without a key
+default reward_mean and every eval/pass@k and eval/maj@k any run logged), one line per run. Rows without a key
 (eval runs only every N steps) are skipped for that key. --smooth applies an exponential moving
 average (debiased, as in TensorBoard) to the per-step training curves, with the raw values drawn
 faintly; eval/* points are already means over many samples and sparse, so they are drawn raw.
@@ -78,7 +78,9 @@ def ema(values: list[float], weight: float) -> list[float]:
 
 def default_keys(runs: dict[str, list[dict]]) -> list[str]:
     keys = ["reward_mean"]
-    eval_keys = {k for rows in runs.values() for row in rows for k in row if k.startswith("eval/")}
+    # The accuracy curves; counts and timings the trainer also logs under eval/ (n_problems,
+    # wall_time_s, ...) are left to --keys.
+    eval_keys = {k for rows in runs.values() for row in rows for k in row if k.startswith(("eval/pass@", "eval/maj@"))}
     # The paper's headline metric first, then the rest in name order.
     eval_keys = sorted(eval_keys, key=lambda k: (k != "eval/pass@1", k))
     return keys + eval_keys
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl) or metrics.jsonl files")
     parser.add_argument("--out", default="fig.png", help="PNG file to write (default fig.png)")
-    parser.add_argument("--keys", nargs="+", help="metric keys to plot (default: reward_mean and all eval/*)")
+    parser.add_argument("--keys", nargs="+", help="metric keys to plot (default: reward_mean, eval/pass@*, eval/maj@*)")
     parser.add_argument("--smooth", type=float, default=0.0, help="EMA weight in [0, 1), e.g. 0.9 (default 0: raw)")
     parser.add_argument("--labels", nargs="+", help="legend names, one per run (default: the directory names)")
     parser.add_argument("--title", help="figure title")

@@ -137,6 +137,7 @@ def test_plot_script_draws_reward_and_eval_panels(tmp_path):
                 row = {"step": step, "reward_mean": 0.1 * step}
                 if step % 5 == 0:  # eval only every 5 steps, as in training
                     row["eval/pass@1"] = 0.05 * step
+                    row["eval/n_problems"] = 100  # a count: not a default panel
                 f.write(json.dumps(row) + "\n")
     out = tmp_path / "fig.png"
     result = _run_plot([str(tmp_path / "v1-i1"), str(tmp_path / "v10-i1"), "--out", str(out), "--smooth", "0.5"])
