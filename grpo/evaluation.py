@@ -132,7 +132,8 @@ def summarize(records: Sequence[dict], pass_k: Sequence[int], wall_time_s: Optio
     reasons = [f for r in records for f in r["finish_reasons"]]
     summary["mean_completion_tokens"] = sum(lengths) / len(lengths)
     summary["truncation_rate"] = sum(f == "length" for f in reasons) / len(reasons)
-    summary["extraction_rate"] = sum(a is not None for r in records for a in r["extracted"]) / n_samples
+    # Samples with a non-empty final answer (the ones that vote in maj@k).
+    summary["extraction_rate"] = sum(bool(a) for r in records for a in r["extracted"]) / n_samples
     summary["reward_mean"] = sum(x for r in records for x in r["rewards"]) / n_samples
     if wall_time_s is not None:
         summary["wall_time_s"] = wall_time_s

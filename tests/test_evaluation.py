@@ -274,7 +274,9 @@ def test_resolve_model_dir_finds_a_run_export(tmp_path):
 
 
 def test_summary_without_majority_leaves_maj_at_k_out():
-    records = [_record([True, False], [None, "3"], [4, 4], ["stop", "stop"])]
+    records = [_record([True, False, False], [None, "3", ""], [4, 4, 4], ["stop", "stop", "stop"])]
     s = summarize(records, pass_k=[1, 2], majority=False)
-    assert s["pass@1"] == pytest.approx(0.5) and s["pass@2"] == pytest.approx(1.0)
+    assert s["extraction_rate"] == pytest.approx(1 / 3)  # an empty \boxed{} is no answer
+    assert s["pass@1"] == pytest.approx(1 / 3) and s["pass@2"] == pytest.approx(1 - 1 / 3)  # 1 - C(2,2)/C(3,2)
+    assert s["pass@3"] == pytest.approx(1.0)
     assert not any(k.startswith("maj@") for k in s)
