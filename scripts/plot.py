@@ -81,8 +81,9 @@ def default_keys(runs: dict[str, list[dict]]) -> list[str]:
     # The accuracy curves; counts and timings the trainer also logs under eval/ (n_problems,
     # wall_time_s, ...) are left to --keys.
     eval_keys = {k for rows in runs.values() for row in rows for k in row if k.startswith(("eval/pass@", "eval/maj@"))}
-    # The paper's headline metric first, then the rest in name order.
-    eval_keys = sorted(eval_keys, key=lambda k: (k != "eval/pass@1", k))
+    # pass@k before maj@k, each by k (pass@1, the paper's metric, first).
+    eval_keys = sorted(eval_keys, key=lambda k: (k.startswith("eval/maj@"), int(k.rsplit("@", 1)[1] or 0)
+                                                 if k.rsplit("@", 1)[1].isdigit() else 0, k))
     return keys + eval_keys
 
 
