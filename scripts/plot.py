@@ -82,8 +82,11 @@ def default_keys(runs: dict[str, list[dict]]) -> list[str]:
     # wall_time_s, ...) are left to --keys.
     eval_keys = {k for rows in runs.values() for row in rows for k in row if k.startswith(("eval/pass@", "eval/maj@"))}
     # pass@k before maj@k, each by k (pass@1, the paper's metric, first).
-    eval_keys = sorted(eval_keys, key=lambda k: (k.startswith("eval/maj@"), int(k.rsplit("@", 1)[1] or 0)
-                                                 if k.rsplit("@", 1)[1].isdigit() else 0, k))
+    def order(key: str) -> tuple:
+        k = key.rsplit("@", 1)[1]
+        return key.startswith("eval/maj@"), int(k) if k.isdigit() else 0, key
+
+    eval_keys = sorted(eval_keys, key=order)
     return keys + eval_keys
 
 
