@@ -114,13 +114,17 @@ def push_weights(policy, server, cfg, state: dict, is_main: bool) -> float:
     return nbytes
 
 
-def sample_rollouts(server, problems, tokenizer, cfg: TrainConfig, scorer) -> tuple[list[Sample], dict, list[dict]]:
-    """Rank 0: G completions per prompt from alpha, rewards, advantages (eq. 2) and mask (eq. 8)."""
+def sample_rollouts(server, problems, tokenizer, cfg: TrainConfig, scorer, batch_seed: int
+                    ) -> tuple[list[Sample], dict, list[dict]]:
+    """Rank 0: G completions per prompt from alpha, rewards, advantages (eq. 2) and mask (eq. 8).
+
+    batch_seed fixes the server's sampling and RED-Drop's choices for this batch, so a resumed run
+    repeats exactly what the uninterrupted run would have done."""
     G = cfg.grpo.G
     prompt_ids = [encode_prompt(tokenizer, build_prompt(tokenizer, p, cfg.data)) for p in problems]
     t0 = time.time()
     result = server.client.generate(prompt_ids, n=G, max_tokens=cfg.grpo.max_new_tokens,
-                                    temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p)
+                                    temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, seed=batch_seed)
     t_generate = time.time() - t0
     completions = [c for per_prompt in result.completions for c in per_prompt]
     golds = [p.answer for p in problems for _ in range(G)]
@@ -128,7 +132,8 @@ def sample_rollouts(server, problems, tokenizer, cfg: TrainConfig, scorer) -> tu
     rewards, reward_info = scorer.score([c.text for c in completions], golds)
     t_reward = time.time() - t0
     correct = reward_info.get("correct", rewards)
-    adv, seq_weight, adv_stats = O.group_advantages(torch.tensor(rewards, dtype=torch.float64), G, cfg.objective)
+    adv, seq_weight, adv_stats = O.group_advantages(torch.tensor(rewards, dtype=torch.float64), G, cfg.objective,
+                                                    generator=torch.Generator().manual_seed(batch_seed))
     samples = [
         Sample(group=j // G, prompt_ids=prompt_ids[j // G], completion_ids=list(c.token_ids),
                logp_alpha=[float(x) for x in c.logprobs], truncated=c.finish_reason == "length",
@@ -273,10 +278,20 @@ def main(argv=None) -> int:
     logger = MetricsLogger(cfg.log, run_dir, to_dict(cfg), rank, resume=args.resume)
     if args.resume:
         logger.truncate_after(state["step"])
-    if args.resume and state["weights_dir"] and is_main:
-        # Serve exactly the alpha this batch was to be sampled from (v > 1 keeps an older one).
-        server.client.push_weights(Path(state["weights_dir"]), version=state["weights_version"],
-                                   mode=cfg.server.push_mode)
+    if args.resume and state["iteration"] % cfg.grpo.v != 0:
+        # Resumed inside a v-window: alpha is the policy of the last push, not pi_theta. Re-serve
+        # that exact directory (uploaded, so a new weights root does not matter); if it is gone,
+        # say so and serve pi_theta instead.
+        old_dir = Path(state["weights_dir"]) if state["weights_dir"] else None
+        have_old = broadcast_json(bool(is_main and old_dir is not None and (old_dir / "manifest.json").is_file()))
+        if have_old:
+            if is_main:
+                server.client.push_weights(old_dir, version=state["weights_version"], mode="bytes")
+        else:
+            if is_main:
+                print(f"[train] resume: the last pushed weights ({old_dir}) are gone; serving the current policy, "
+                      "so this v-window is not an exact repeat", file=sys.stderr)
+            push_weights(policy, server, cfg, state, is_main)
 
     def checkpoint():
         state["sampler"] = sampler.state_dict() if is_main else None
@@ -310,14 +325,15 @@ def main(argv=None) -> int:
                 payload = None
                 if is_main:
                     problems = sampler.next_batch()
+                    batch_seed = (cfg.seed * 1_000_003 + stage * cfg.grpo.M + k) % 2**31
                     try:
-                        samples, rollout_stats, table = sample_rollouts(server, problems, tokenizer, cfg, scorer)
+                        samples, rollout_stats, table = sample_rollouts(server, problems, tokenizer, cfg, scorer, batch_seed)
                     except InferenceServerError as e:
                         print(f"[train] inference server failed ({e}); restarting and re-pushing", file=sys.stderr)
                         server.restart()
                         server.client.push_weights(Path(state["weights_dir"]), version=state["weights_version"],
                                                    mode=cfg.server.push_mode)
-                        samples, rollout_stats, table = sample_rollouts(server, problems, tokenizer, cfg, scorer)
+                        samples, rollout_stats, table = sample_rollouts(server, problems, tokenizer, cfg, scorer, batch_seed)
                     payload = {"samples": [s.to_json() for s in samples], "stats": rollout_stats, "table": table}
                 payload = broadcast_json(payload)
                 samples = shard_samples([Sample(**s) for s in payload["samples"]], rank, world)

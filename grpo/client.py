@@ -200,11 +200,14 @@ class InferenceClient:
         return int(self._request("GET", "/grpo/weights_version")["weights_version"])
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
-                 top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None) -> GenerationResult:
-        """n samples for each prompt (token ids), with the sampled tokens' log-probs."""
+                 top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None,
+                 seed: Optional[int] = None) -> GenerationResult:
+        """n samples for each prompt (token ids), with the sampled tokens' log-probs. With `seed`,
+        the server reseeds its sampler and schedules this batch alone: the same weights, prompts
+        and seed give the same samples (how a resumed run repeats the uninterrupted one)."""
         out = self._post_json("/grpo/generate", {
             "prompt_token_ids": [list(map(int, p)) for p in prompt_token_ids], "n": n, "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p, "stop_token_ids": stop_token_ids})
+            "temperature": temperature, "top_p": top_p, "stop_token_ids": stop_token_ids, "seed": seed})
         return GenerationResult(
             completions=[[Completion(**c) for c in per_prompt] for per_prompt in out["completions"]],
             weights_version=int(out["weights_version"]))

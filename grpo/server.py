@@ -207,6 +207,12 @@ class Guarded:
         return getattr(self._app, name)
 
 
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
 # ----------------------------------------------------------------------------- weights state
 
 def _expected_tensors(model_dir: Path) -> dict[str, tuple[str, list[int]]]:
@@ -272,18 +278,21 @@ class WeightsState:
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
             # The hash is checked in a thread while the engine process loads: the two overlap.
-            hash_job = None if hashes_checked else loop.run_in_executor(None, check_hashes, manifest)
+            hash_job = None if hashes_checked else loop.run_in_executor(None, _timed, check_hashes, manifest)
             load_error: Optional[BaseException] = None
             try:
                 await self._reload(path)
             except Exception as e:  # the engine reports its own errors; keep them for the message
                 load_error = e
+            reload_seconds = time.perf_counter() - t0
+            hash_seconds = 0.0
             hash_error: Optional[BaseException] = None
             if hash_job is not None:
                 try:
-                    await hash_job
-                except WeightPushError as e:
-                    hash_error = e
+                    hash_seconds = await hash_job
+                except Exception as e:  # a mismatch, or the file vanished or became unreadable
+                    hash_error = e if isinstance(e, WeightPushError) else WeightPushError(
+                        f"{path}: could not hash: {type(e).__name__}: {e}")
             if load_error or hash_error:
                 reason = str(hash_error or f"engine failed to load it: {load_error}")
                 try:
@@ -298,9 +307,11 @@ class WeightsState:
             seconds = time.perf_counter() - t0
             self.version, self.step, self.serving_dir = version, manifest.get("step", 0), path
             self.served_digest = manifest["files"][0][manifest["hash"]]
+            self.broken = None  # a good push repairs a failed rollback
             if path.parent == Path(os.path.realpath(self.root)):
                 (self.root / SERVING_MARKER).write_text(path.name + "\n")
-        return {"version": version, "seconds": seconds, "bytes": sum(f["bytes"] for f in manifest["files"])}
+        return {"version": version, "seconds": seconds, "bytes": sum(f["bytes"] for f in manifest["files"]),
+                "reload_seconds": reload_seconds, "hash_seconds": hash_seconds}
 
 
 # ----------------------------------------------------------------------------- routes
@@ -313,6 +324,7 @@ class GenerateRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
     stop_token_ids: Optional[list[int]] = None
+    seed: Optional[int] = None  # reseed the sampler and run this batch alone: reproducible samples
 
 
 class PushRequest(BaseModel):
@@ -327,6 +339,7 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
     from grpo.weight_sync import WeightPushError, check_weights_dir, new_hasher, prune_weights, weights_dir_name
 
     router = APIRouter()
+    seeded_lock = asyncio.Lock()  # one seeded batch at a time: reseeding is engine-global
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
@@ -371,6 +384,35 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
             final = None
             async for out in state.engine.generate({"prompt_token_ids": ids}, params, f"grpo-{base}-{i}"):
                 final = out
+            return to_samples(final)
+
+        async def seeded_batch():
+            """The whole batch scheduled at once after a reseed, so its samples depend only on
+            (weights, prompts, seed): pause the scheduler (in-flight requests finish), reseed
+            the workers, queue every request, resume."""
+            from vllm.outputs import STREAM_FINISHED
+
+            async def drain(q):
+                final = None
+                while True:
+                    out = q.get_nowait() or await q.get()
+                    if out is not STREAM_FINISHED:
+                        final = out
+                    if out.finished:
+                        return final
+
+            async with seeded_lock:
+                await state.engine.pause_generation(mode="wait", clear_cache=False)
+                try:
+                    await state.engine.collective_rpc("grpo_reseed", args=(req.seed,))
+                    queues = [await state.engine.add_request(f"grpo-{base}-{i}", {"prompt_token_ids": ids}, params)
+                              for i, ids in enumerate(req.prompt_token_ids)]
+                finally:
+                    await state.engine.resume_generation()
+                finals = await asyncio.gather(*(drain(q) for q in queues))
+            return [to_samples(final) for final in finals]
+
+        def to_samples(final):
             samples = []
             for c in sorted(final.outputs, key=lambda c: c.index):
                 lp = c.logprobs  # FlatLogprobs; with logprobs=0 each position holds the sampled token only
@@ -382,7 +424,10 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
         async with state.gate.reading():
             version = state.version  # fixed while we read: a push waits for us
             try:
-                completions = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(req.prompt_token_ids)))
+                if req.seed is not None:
+                    completions = await seeded_batch()
+                else:
+                    completions = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(req.prompt_token_ids)))
             except ValueError as e:
                 return error(400, str(e))
             except Exception as e:
@@ -466,6 +511,7 @@ def vllm_args(ns: argparse.Namespace, port: int) -> argparse.Namespace:
     argv = ["--model", ns.model, "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
             "--seed", str(ns.seed), "--gpu-memory-utilization", str(ns.gpu_memory_utilization),
             "--logprobs-mode", "processed_logprobs", "--host", ns.host, "--port", str(port),
+            "--worker-extension-cls", "grpo.vllm_worker_ext.GRPOWorkerExtension",
             "--disable-uvicorn-access-log"]
     if ns.served_model_name:
         argv += ["--served-model-name", ns.served_model_name]
