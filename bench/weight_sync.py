@@ -57,7 +57,7 @@ def bench_model(name: str, model_dir: Path, serve_dtype: torch.dtype, args, work
     for root_kind in args.roots.split(","):
         cfg = ServerConfig(dtype=dtype_name, max_model_len=512, kv_cache_gb=1,
                            weights_root=None if root_kind == "shm" else str(work / f"{name}-disk-weights"),
-                           startup_timeout_s=600, enforce_eager=True)
+                           startup_timeout_s=600, enforce_eager=True, cpu_threads=args.cpu_threads)
         with InferenceServer.launch(model_dir, cfg, work / f"{name}-{root_kind}-run") as server:
             print(f"[{name}] server up, weights root {server.weights_root}", flush=True)
             prompt = [[1, 2, 3, 4]]
@@ -66,7 +66,7 @@ def bench_model(name: str, model_dir: Path, serve_dtype: torch.dtype, args, work
             for mode in args.modes.split(","):
                 for algo in args.hashes.split(","):
                     stages = {"gather": [], "gather_same_dtype": [], "save": [], "load": [], "server_load": [],
-                              "total": []}
+                              "server_reload": [], "server_hash": [], "total": []}
                     nbytes = 0
                     for r in range(args.repeats + 1):  # the first push warms up, not counted
                         version += 1
@@ -75,12 +75,14 @@ def bench_model(name: str, model_dir: Path, serve_dtype: torch.dtype, args, work
                         t1 = time.perf_counter()
                         same = {k: v.detach().to(serve_dtype) for k, v in same_dtype.items()}  # no-op casts
                         t1b = time.perf_counter()
-                        d = write_weights(sd, model_dir, server.weights_root, version, step=version,
+                        # bytes mode stands for a server on another machine: the trainer writes locally
+                        root = server.weights_root if mode == "path" else work / f"{name}-trainer-side"
+                        d = write_weights(sd, model_dir, root, version, step=version,
                                           dtype=serve_dtype, hash_algo=algo)
                         t2 = time.perf_counter()
                         out = server.client.push_weights(d, version, mode=mode)
                         t3 = time.perf_counter()
-                        prune_weights(server.weights_root, keep_last=2)
+                        prune_weights(root, keep_last=2)
                         del sd, same
                         nbytes = out["bytes"]
                         if r == 0:
@@ -90,6 +92,8 @@ def bench_model(name: str, model_dir: Path, serve_dtype: torch.dtype, args, work
                         stages["save"].append(t2 - t1b)
                         stages["load"].append(t3 - t2)
                         stages["server_load"].append(out["seconds"])
+                        stages["server_reload"].append(out.get("reload_seconds", 0.0))
+                        stages["server_hash"].append(out.get("hash_seconds", 0.0))
                         stages["total"].append((t1 - t0) + (t3 - t1b))
                     assert server.client.weights_version() == version
                     med = {k: statistics.median(v) for k, v in stages.items()}
@@ -102,7 +106,8 @@ def bench_model(name: str, model_dir: Path, serve_dtype: torch.dtype, args, work
                            "ratio_to_copy": round(med["total"] / base["copy_s"], 2)}
                     rows.append(row)
                     print(f"[{name}] {root_kind:4s} {mode:5s} {algo:6s} {nbytes / 1e6:7.1f} MB  gather {med['gather']:.3f}"
-                          f"  save {med['save']:.3f}  load {med['load']:.3f} (server {med['server_load']:.3f})"
+                          f"  save {med['save']:.3f}  load {med['load']:.3f} (server {med['server_load']:.3f}: reload {med['server_reload']:.3f}"
+                          f" | hash {med['server_hash']:.3f})"
                           f"  total {med['total']:.3f} s  ({row['total_same_dtype_s']:.3f} s without the cast)"
                           f"  {row['MB_per_s']} MB/s  copy_ {base['copy_s']:.3f} s  x{row['ratio_to_copy']}",
                           flush=True)
@@ -116,6 +121,7 @@ def main() -> None:
     p.add_argument("--hashes", default="sha256,blake3")
     p.add_argument("--roots", default="shm,disk")
     p.add_argument("--modes", default="path,bytes")
+    p.add_argument("--cpu-threads", default=None, help="server's VLLM_CPU_OMP_THREADS_BIND (default: see client)")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(dir=REPO / ".cache" if (REPO / ".cache").is_dir() else None) as tmp:
