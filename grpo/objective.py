@@ -291,6 +291,24 @@ def token_weights(completion_mask: Tensor, seq_weight: Tensor, cfg: ObjectiveCon
 DIAGNOSTIC_KEYS = ("clip_low", "clip_high", "ratio", "is_weight", "is_capped", "kl", "tv", "kl_pik_alpha")
 
 
+def check_inputs(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
+                 adv: Tensor, cfg: ObjectiveConfig) -> Tensor:
+    """Shape and option checks shared with the fused kernel (same messages); returns adv with a
+    trailing token dim when it came per sequence."""
+    if logp_alpha.shape != logp.shape:
+        raise ValueError(f"logp_alpha: shape {tuple(logp_alpha.shape)} differs from logp {tuple(logp.shape)}")
+    for name, t in (("logp_k", logp_k), ("logp_ref", logp_ref)):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from logp {tuple(logp.shape)}")
+    if cfg.beta > 0 and logp_ref is None:
+        raise ValueError("logp_ref: beta > 0 needs the reference policy's log-probs")
+    if adv.dim() == logp.dim() - 1:
+        adv = adv.unsqueeze(-1)
+    if adv.dim() != logp.dim():
+        raise ValueError(f"adv: shape {tuple(adv.shape)} does not broadcast per token over {tuple(logp.shape)}")
+    return adv
+
+
 def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
                    adv: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token loss to MINIMISE, = -surrogate + beta * kl, and per-token diagnostics.
@@ -334,17 +352,7 @@ def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], l
     TV(pi_k, alpha): E_alpha |pi_k/alpha - 1| / 2), kl_pik_alpha = w - 1 - log w (k3 estimator of
     KL(alpha || pi_k) under samples from alpha: unbiased, >= 0). tv and kl_pik_alpha use the raw w.
     """
-    if logp_alpha.shape != logp.shape:
-        raise ValueError(f"logp_alpha: shape {tuple(logp_alpha.shape)} differs from logp {tuple(logp.shape)}")
-    for name, t in (("logp_k", logp_k), ("logp_ref", logp_ref)):
-        if t is not None and t.shape != logp.shape:
-            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from logp {tuple(logp.shape)}")
-    if cfg.beta > 0 and logp_ref is None:
-        raise ValueError("logp_ref: beta > 0 needs the reference policy's log-probs")
-    if adv.dim() == logp.dim() - 1:
-        adv = adv.unsqueeze(-1)
-    if adv.dim() != logp.dim():
-        raise ValueError(f"adv: shape {tuple(adv.shape)} does not broadcast per token over {tuple(logp.shape)}")
+    adv = check_inputs(logp, logp_alpha, logp_k, logp_ref, adv, cfg)
 
     dtype = torch.promote_types(logp.dtype, torch.float32)
     logp = logp.to(dtype)

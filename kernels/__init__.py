@@ -167,19 +167,11 @@ def lm_head_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None
 
 def _check_objective_inputs(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg):
     """The checks (and messages) of grpo.objective.objective / per_token_loss."""
+    from grpo.objective import check_inputs  # imported late: grpo may import kernels
+
     if weights.shape != logp.shape:
         raise ValueError(f"weights: shape {tuple(weights.shape)} differs from logp {tuple(logp.shape)}")
-    if logp_alpha.shape != logp.shape:
-        raise ValueError(f"logp_alpha: shape {tuple(logp_alpha.shape)} differs from logp {tuple(logp.shape)}")
-    for name, t in (("logp_k", logp_k), ("logp_ref", logp_ref)):
-        if t is not None and t.shape != logp.shape:
-            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from logp {tuple(logp.shape)}")
-    if cfg.beta > 0 and logp_ref is None:
-        raise ValueError("logp_ref: beta > 0 needs the reference policy's log-probs")
-    if adv.dim() == logp.dim() - 1:
-        adv = adv.unsqueeze(-1)
-    if adv.dim() != logp.dim():
-        raise ValueError(f"adv: shape {tuple(adv.shape)} does not broadcast per token over {tuple(logp.shape)}")
+    adv = check_inputs(logp, logp_alpha, logp_k, logp_ref, adv, cfg)
     try:
         return adv.expand(logp.shape)
     except RuntimeError:
