@@ -278,10 +278,10 @@ def main(argv=None) -> int:
     logger = MetricsLogger(cfg.log, run_dir, to_dict(cfg), rank, resume=args.resume)
     if args.resume:
         logger.truncate_after(state["step"])
-    if args.resume and state["iteration"] % cfg.grpo.v != 0:
+    if args.resume and state["iteration"] % cfg.grpo.v != 0 and state["weights_dir"]:
         # Resumed inside a v-window: alpha is the policy of the last push, not pi_theta. Re-serve
         # that exact directory (uploaded, so a new weights root does not matter); if it is gone,
-        # say so and serve pi_theta instead.
+        # say so and serve pi_theta instead. (No push yet: the server's version 0 is alpha.)
         old_dir = Path(state["weights_dir"]) if state["weights_dir"] else None
         have_old = broadcast_json(bool(is_main and old_dir is not None and (old_dir / "manifest.json").is_file()))
         if have_old:
