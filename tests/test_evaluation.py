@@ -220,7 +220,7 @@ def _run_eval(args):
     "args, message",
     [
         (["--dataset", "gsm9k"], "data.dataset: must be one of"),
-        (["--dataset", "{tmp}/missing.jsonl"], "file not found"),
+        (["--model", "{tmp}/hf", "--dataset", "{tmp}/missing.jsonl"], "file not found"),
         (["--model", "{tmp}/no-weights"], "has config.json but no weights"),
         (["--model", "{tmp}"], "holds no model weights"),
         (["--config", "{tmp}/missing.yaml"], "config file not found"),
@@ -232,13 +232,25 @@ def test_eval_bad_input_gives_one_line_errors(tmp_path, capsys, args, message):
 
     (tmp_path / "no-weights").mkdir()
     (tmp_path / "no-weights" / "config.json").write_text("{}")
+    if "{tmp}/hf" in args:
+        _fake_hf_dir(tmp_path / "hf")  # a model that passes the checks, so the dataset's error shows
     assert eval_script.main([a.format(tmp=tmp_path) for a in args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("eval.py: error:") and message in err and "\n" not in err, err
 
 
+def _fake_hf_dir(path):
+    """Files an HF model directory has (eval.py checks them before the dataset); never loaded."""
+    path.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json"):
+        (path / name).write_text("{}")
+    (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
 def test_eval_bad_input_exit_code_of_the_real_process(tmp_path):
-    result = _run_eval(["--dataset", tmp_path / "missing.jsonl"])
+    # An explicit model: a fresh clone has no .cache/models/smollm2 (eval.py's default) yet.
+    result = _run_eval(["--model", _fake_hf_dir(tmp_path / "hf"), "--dataset", tmp_path / "missing.jsonl"])
     assert result.returncode == 2
     assert result.stderr.strip() == f"eval.py: error: dataset '{tmp_path / 'missing.jsonl'}': file not found: " \
                                     f"{tmp_path / 'missing.jsonl'}"
