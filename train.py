@@ -213,6 +213,10 @@ def optimizer_step(policy, optimizer, scheduler, cfg: TrainConfig) -> tuple[floa
 @torch.no_grad()
 def refresh_reference(ref_policy, policy) -> None:
     """pi_ref <- pi_theta (end of a stage). Same sharding on both, so a local copy of each shard."""
+    # FSDP2 leaves the root's parameters unsharded after a forward it did not backprop through
+    # (the no-grad reference pass); reshard so both sides are DTensor shards.
+    ref_policy.reshard()
+    policy.reshard()
     for p_ref, p in zip(ref_policy.parameters(), policy.parameters()):
         p_ref.copy_(p)
 

@@ -68,3 +68,15 @@ def test_first_loss_matches_plain_hf_and_objective(results):
                                   torch.full((n,), s.adv, dtype=torch.float64), weights, cfg)
             total += loss
     assert one["losses"][0] == pytest.approx(float(total), rel=1e-5, abs=1e-7)
+
+
+def test_reference_swap_under_bf16_mixed_precision(results):
+    """refresh_reference after no-grad forwards (the root left unsharded) copies every shard."""
+    model_dir, _, _ = results
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(ROOT, "tests", "ref_swap_worker.py"), str(model_dir)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    gaps = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert gaps["before"] > 1e-3 and gaps["after"] == 0.0
