@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import signal
 import sys
 import time
@@ -82,9 +81,9 @@ def serve_dtype(cfg: TrainConfig) -> torch.dtype:
         return getattr(torch, cfg.server.dtype)
     import json
 
-    config = Path(cfg.model.path) / "config.json"
-    name = json.loads(config.read_text()).get("torch_dtype") or json.loads(config.read_text()).get("dtype") \
-        if config.is_file() else None
+    config_path = Path(cfg.model.path) / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    name = config.get("torch_dtype") or config.get("dtype")
     return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else torch.bfloat16
 
 
@@ -221,7 +220,7 @@ def refresh_reference(ref_policy, policy) -> None:
         p_ref.copy_(p)
 
 
-def run_eval(server, tokenizer, eval_problems, cfg: TrainConfig, scorer, step: int) -> dict:
+def run_eval(server, tokenizer, eval_problems, cfg: TrainConfig, scorer) -> dict:
     summary, _ = evaluate(server.client, tokenizer, eval_problems, cfg.eval_data, cfg.eval, scorer)
     return {f"eval/{k}": v for k, v in summary.items() if isinstance(v, (int, float))}
 
@@ -306,7 +305,7 @@ def main(argv=None) -> int:
     def evaluate_now():
         """Eval on the held-out set with pi_theta, which the server holds right after a push."""
         if is_main and eval_problems is not None:
-            logger.log({"step": state["step"], **run_eval(server, tokenizer, eval_problems, cfg, scorer, state["step"])})
+            logger.log({"step": state["step"], **run_eval(server, tokenizer, eval_problems, cfg, scorer)})
 
     try:
         progress = logger.progress(total_steps, initial=state["step"])

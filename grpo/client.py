@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
