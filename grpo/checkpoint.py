@@ -132,6 +132,19 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename a finished tmp directory to `final`, moving an existing `final` aside first (a
+    directory cannot be renamed over a non-empty one)."""
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        _rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        _rmtree(old)
+    else:
+        os.replace(tmp, final)
+
+
 def _fsync_dir(path: Path) -> None:
     # Makes renames and new entries durable; directories cannot be opened for fsync on Windows.
     try:
@@ -340,14 +353,7 @@ class Checkpointer:
             _write_durable(tmp / MANIFEST, manifest)
             _write_durable(tmp / COMPLETE, hashlib.sha256(manifest.encode()).hexdigest() + "\n")
             _fsync_dir(tmp)
-            if final.exists():  # the same step saved again (e.g. after a resume): replace it
-                old = self.dir / f"step_{step}.old"
-                _rmtree(old)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                _rmtree(old)
-            else:
-                os.replace(tmp, final)
+            _replace_dir(tmp, final)  # the same step saved again (e.g. after a resume) replaces it
             _fsync_dir(self.dir)
             self._prune()
 
@@ -487,14 +493,7 @@ def _write_hf_dir(full_sd: dict, tokenizer, src: Path, out_dir: Path, dtype: tor
     for p in tmp.iterdir():
         _fsync_file(p)
     _fsync_dir(tmp)
-    if out_dir.exists():
-        old = out_dir.with_name(out_dir.name + ".old")
-        _rmtree(old)
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        _rmtree(old)
-    else:
-        os.replace(tmp, out_dir)
+    _replace_dir(tmp, out_dir)
     _fsync_dir(out_dir.parent)
 
 

@@ -109,6 +109,17 @@ def _check_targets(targets: torch.Tensor, n_rows: int, n_cols: int, what: str):
         raise ValueError(f"targets: id {int(targets.max())} out of range for a vocabulary of {n_cols}")
 
 
+def _check_lm_head(hidden, weight, targets) -> tuple[int, int]:
+    """Shapes and dtypes of the fused LM-head entry points; returns (N, V)."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden/weight: expected [N, H] and [V, H], got {list(hidden.shape)} and {list(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden/weight: dtypes differ ({hidden.dtype} vs {weight.dtype}); cast one first")
+    n_rows, n_cols = hidden.shape[0], weight.shape[0]
+    _check_targets(targets, n_rows, n_cols, "hidden")
+    return n_rows, n_cols
+
+
 def _check_temperature(temperature: float) -> float:
     if not temperature > 0:
         raise ValueError(f"temperature: must be > 0, got {temperature!r}")
@@ -149,12 +160,7 @@ def lm_head_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None
     hidden [N, H], weight [V, H] (same dtype), targets [N]. Returns (logp [N] fp32, entropy [N] fp32
     or None), differentiable w.r.t. hidden and weight. chunk_tokens (default config.chunk_tokens)
     bounds the live logits to [chunk_tokens, V]."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden/weight: expected [N, H] and [V, H], got {list(hidden.shape)} and {list(weight.shape)}")
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden/weight: dtypes differ ({hidden.dtype} vs {weight.dtype}); cast one first")
-    n_rows, n_cols = hidden.shape[0], weight.shape[0]
-    _check_targets(targets, n_rows, n_cols, "hidden")
+    n_rows, n_cols = _check_lm_head(hidden, weight, targets)
     inv_temperature = _check_temperature(temperature)
     config = _pick(backend, config)
     if chunk_tokens is not None:
@@ -203,12 +209,7 @@ def lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv
     aligned with the rows of hidden; targets < 0 are ignored rows (give them weight 0 too).
     Returns (loss, stats, logp [N] detached) with loss and stats as grpo.objective.objective's.
     Use it when the loss is exactly the objective of logp (nothing else differentiates logp)."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden/weight: expected [N, H] and [V, H], got {list(hidden.shape)} and {list(weight.shape)}")
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden/weight: dtypes differ ({hidden.dtype} vs {weight.dtype}); cast one first")
-    n_rows, n_cols = hidden.shape[0], weight.shape[0]
-    _check_targets(targets, n_rows, n_cols, "hidden")
+    n_rows, n_cols = _check_lm_head(hidden, weight, targets)
     for name, t in (("logp_alpha", logp_alpha), ("logp_k", logp_k), ("logp_ref", logp_ref), ("adv", adv),
                     ("weights", weights)):
         if t is not None and t.shape != (n_rows,):
