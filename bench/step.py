@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["tiny", "smollm2"])
     ap.add_argument("--iterations", type=int, default=3)
     args = ap.parse_args()
-    from grpo.models import build_smollm2_dir, make_tiny_model_dir
+    from grpo.models import build_smollm2_dir
+    from tests.tiny_models import make_tiny_model_dir
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

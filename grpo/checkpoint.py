@@ -306,9 +306,13 @@ class Checkpointer:
         self.cfg = cfg
         self.dir = Path(cfg.dir) if cfg.dir is not None else Path(run_dir) / "checkpoints"
 
-    def due(self, step: int) -> bool:
-        """Whether the periodic schedule asks for a checkpoint after optimizer step `step`."""
-        return self.cfg.every > 0 and step > 0 and step % self.cfg.every == 0
+    def due(self, step: int, steps_taken: int = 1) -> bool:
+        """Whether the periodic schedule (every `checkpoint.every` optimizer steps) asks for a
+        checkpoint now, after optimizer steps step - steps_taken + 1 .. step. The trainer saves
+        between iterations only (an iteration takes i steps): a multiple of `every` crossed
+        anywhere in that range counts."""
+        every = self.cfg.every
+        return every > 0 and step > 0 and step // every > (step - steps_taken) // every
 
     def _state(self, model, optimizer, ref_model) -> dict:
         # Sharded state dicts: DTensors of this rank's shards; DCP writes each rank's part.

@@ -156,8 +156,9 @@ def _deep_merge(base: dict, child: dict) -> dict:
 
 
 def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
-    """A config file as a dict; `base: other.yaml` (relative to the file) is read first and the
-    file's own keys override it, section by section, so experiment configs state only differences."""
+    """A config file as a dict; `base: other.yaml` (relative to the file; or a list of files, merged
+    in order) is read first and the file's own keys override it, section by section, so experiment
+    configs state only differences (e.g. `base: [gsm8k_qwen0.5b_v1-i1.yaml, objectives/dapo.yaml]`)."""
     path = Path(path)
     source = str(path)
     if not path.is_file():
@@ -174,9 +175,13 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
         raise ConfigError(f"{source}: top level must be a mapping of sections")
     base = loaded.pop("base", None)
     if base is not None:
-        if not isinstance(base, str):
-            raise ConfigError(f"{source}: base: expected a file name, got {base!r}")
-        loaded = _deep_merge(read_yaml(path.parent / base, _seen + (path.resolve(),)), loaded)
+        bases = [base] if isinstance(base, str) else base
+        if not isinstance(bases, list) or not bases or not all(isinstance(b, str) for b in bases):
+            raise ConfigError(f"{source}: base: expected a file name or a list of file names, got {base!r}")
+        merged: dict = {}
+        for name in bases:  # later bases override earlier ones; the file's own keys override them all
+            merged = _deep_merge(merged, read_yaml(path.parent / name, _seen + (path.resolve(),)))
+        loaded = _deep_merge(merged, loaded)
     return loaded
 
 

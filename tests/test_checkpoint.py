@@ -30,7 +30,8 @@ from grpo.checkpoint import (  # noqa: E402
     export_hf,
     verify_checkpoint,
 )
-from grpo.models import load_model, load_tokenizer, make_tiny_model_dir  # noqa: E402
+from grpo.models import load_model, load_tokenizer  # noqa: E402
+from tiny_models import make_tiny_model_dir  # noqa: E402
 
 
 class LossModel(torch.nn.Module):
@@ -112,6 +113,8 @@ def test_config_validation():
     assert ck.dir == Path("/x/run/checkpoints")
     assert [s for s in range(10) if ck.due(s)] == [3, 6, 9]
     assert not any(Checkpointer(CheckpointConfig(every=0), Path("r")).due(s) for s in range(10))
+    # An iteration of i = 2 optimizer steps: a save is due when the iteration crossed a multiple of 3.
+    assert [s for s in range(2, 14, 2) if ck.due(s, steps_taken=2)] == [4, 6, 10, 12]
 
 
 def test_resume_is_exact(world_of_one, model_dir, tmp_path):

@@ -93,3 +93,15 @@ def test_base_file_is_merged_section_by_section(tmp_path):
     (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
     with pytest.raises(ConfigError, match="cycle"):
         load_config(Outer, tmp_path / "loop.yaml")
+
+
+def test_base_list_is_merged_in_order(tmp_path):
+    (tmp_path / "a.yaml").write_text("name: a\ngrpo:\n  v: 3\n  eps: 0.3\n")
+    (tmp_path / "b.yaml").write_text("grpo:\n  eps: 0.5\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("base: [a.yaml, b.yaml]\ngrpo:\n  v: 10\n")
+    cfg = load_config(Outer, child)
+    assert (cfg.name, cfg.grpo.v, cfg.grpo.eps) == ("a", 10, 0.5)  # b overrides a, the file overrides both
+    child.write_text("base: [a.yaml, 3]\n")
+    with pytest.raises(ConfigError, match="base: expected a file name or a list"):
+        load_config(Outer, child)

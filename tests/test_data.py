@@ -264,7 +264,7 @@ def test_build_prompt_uses_chat_template():
 
 
 def test_build_prompt_with_project_tiny_tokenizer():
-    from grpo.models import make_tiny_tokenizer
+    from tiny_models import make_tiny_tokenizer
 
     tokenizer = make_tiny_tokenizer()
     problem = ArithmeticTask(ArithmeticConfig(eval_size=0)).train_problem(seed=0, index=0)

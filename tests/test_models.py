@@ -3,7 +3,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo.models import load_model, load_tokenizer, make_tiny_model_dir
+from grpo.models import load_model, load_tokenizer
+from tiny_models import make_tiny_model_dir
 
 
 @pytest.mark.parametrize("arch,tied", [("qwen2", False), ("llama", True)])

@@ -21,7 +21,8 @@ from grpo.client import (
     ServerUnavailableError,
     _group_alive,
 )
-from grpo.models import load_model, load_tokenizer, make_tiny_model_dir
+from grpo.models import load_model, load_tokenizer
+from tiny_models import make_tiny_model_dir
 from grpo.weight_sync import write_weights
 
 PROMPTS = ["What is 12 + 7?", "Natalia sold clips to 48 of her friends in April."]

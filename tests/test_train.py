@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.models import make_tiny_model_dir
+from tiny_models import make_tiny_model_dir
 from test_metrics import run_file, wandb_history
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from grpo import objective as O
-from grpo.models import load_model, make_tiny_model_dir
+from grpo.models import load_model
+from tiny_models import make_tiny_model_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "fsdp_step_worker.py")
