@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -37,6 +38,9 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        non_none = [arg for arg in args if arg is not type(None)]
+        if len(non_none) == 1:  # Optional[X]: X's own message says more than "expected Optional[X]"
+            return _coerce(value, non_none[0], key, source)
         errors = []
         for arg in args:
             if arg is type(None):
@@ -87,6 +91,9 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: {key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            # No knob means anything at nan or inf (a nan learning rate trains nothing, silently).
+            raise ConfigError(f"{source}: {key}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

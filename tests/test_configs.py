@@ -40,3 +40,14 @@ def test_bad_values_name_file_and_key(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(TrainConfig, path, [override])
     assert str(path) in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=nan", "grpo.temperature=inf", "optim.grad_clip=nan",
+                                      "objective.beta=nan", "objective.beta=-inf", "objective.is_cap=.nan"])
+def test_non_finite_numbers_are_refused(override):
+    """nan and inf passed every `x <= 0` check (a nan learning rate trained nothing, silently)."""
+    path = CONFIGS / "gsm8k_qwen0.5b_v10-i1.yaml"
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        load_config(TrainConfig, path, [override])
+    assert str(path) in str(e.value) and f"{key}: expected a finite number" in str(e.value)
