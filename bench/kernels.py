@@ -20,7 +20,10 @@ compiled ahead of time for sm_90 (kernels/aot.py, no GPU needed).
     .venv/bin/python bench/kernels.py --chunk-sweep 128 256 512   # (c) at several chunk sizes
 
 Every variant computes loss = sum(g * logp) for one fixed random g, so the
-checksums of the gradients agree. Last line: JSON with each variant's figures and ratios to (a).
+checksums of the gradients agree. Then the fused loss kernel (kernels.grpo_objective) against the
+torch objective (grpo.objective.objective + autograd), forward + backward on --loss-tokens tokens
+(CUDA only for the kernel: on CPU Triton runs through its interpreter). Last line: JSON with each
+variant's figures and ratios to (a), and the loss kernel's ratios to the torch objective.
 """
 from __future__ import annotations
 
@@ -59,12 +62,13 @@ def forward(args, hidden, weight, targets, upstream):
         logp = kernels.lm_head_logprobs(hidden, weight, targets, args.temperature, chunk_tokens=args.chunk_tokens,
                                         backend=args.backend)[0]
     else:  # fused_objective: REINFORCE (-A logp) with A = -upstream, weights 1 -> loss = sum(upstream * logp)
-        from grpo.objective import ObjectiveConfig
+        from grpo.objective import ObjectiveConfig, objective_fn_for
 
         zeros, ones = torch.zeros_like(upstream), torch.ones_like(upstream)
-        loss, _, logp = kernels.lm_head_objective(hidden, weight, targets, zeros, None, None, -upstream, ones,
-                                                  ObjectiveConfig(loss="reinforce"), args.temperature,
-                                                  chunk_tokens=args.chunk_tokens, backend=args.backend)
+        loss, _, logp, _ = kernels.lm_head_objective(
+            hidden, weight, targets, zeros, None, None, -upstream, ones, ObjectiveConfig(loss="reinforce"),
+            objective_fn=objective_fn_for(hidden.device, kernels.KernelConfig(backend=args.backend)),
+            temperature=args.temperature, chunk_tokens=args.chunk_tokens, backend=args.backend)
         return loss, logp
     return (logp * upstream).sum(), logp
 
@@ -137,11 +141,68 @@ def worker(args) -> dict:
                 grad_hidden_norm=round(float(hidden.grad.double().norm()), 5))
 
 
+def loss_worker(args) -> dict:
+    """The objective alone, forward + backward on N per-token inputs (an off-policy GRPO batch with
+    ratios off 1, exact anchor, is_cap and a k3 KL term): grpo.objective.objective with autograd
+    ("loss_torch") or the fused Triton kernel ("loss_triton": one pass for loss, gradient, stats)."""
+    import torch
+
+    import kernels
+    from grpo.objective import ObjectiveConfig, objective
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cfg = ObjectiveConfig(loss="grpo", ratio_anchor="exact", is_cap=2.0, beta=0.04, kl_estimator="k3")
+    run = (lambda *a: objective(*a, cfg)) if args.variant == "loss_torch" else \
+        (lambda *a: kernels.grpo_objective(*a, cfg, backend="triton"))
+
+    def inputs(n):
+        g = torch.Generator(device=device).manual_seed(0)
+        logp_alpha = -torch.rand(n, generator=g, device=device) * 3
+        logp_k = logp_alpha + 0.2 * torch.randn(n, generator=g, device=device)
+        logp = (logp_k + 0.2 * torch.randn(n, generator=g, device=device)).requires_grad_()
+        logp_ref = logp_k + 0.1 * torch.randn(n, generator=g, device=device)
+        return logp, logp_alpha, logp_k, logp_ref, torch.randn(n, generator=g, device=device), \
+            torch.rand(n, generator=g, device=device)
+
+    warm = inputs(1024)
+    run(*warm)[0].backward()  # one-off start-up (thread pools, Triton JIT) not counted
+    del warm
+    x = inputs(args.loss_tokens)
+    gc.collect()
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        baseline = rss_peak_bytes()
+    cpu0 = cpu_seconds()
+    times = []
+    for _ in range(args.loss_repeats):
+        x[0].grad = None
+        t0 = time.perf_counter()
+        loss, stats = run(*x)
+        loss.backward()
+        if on_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated() if on_cuda else rss_peak_bytes()) - baseline
+    floor = x[0].grad.numel() * x[0].grad.element_size()  # the gradient any method returns
+    return dict(variant=args.variant, tokens=args.loss_tokens, seconds=round(min(times), 4),
+                cpu_seconds=round((cpu_seconds() - cpu0) / args.loss_repeats, 4),
+                peak_above_baseline_mb=round(peak / MB, 1), above_floor_mb=round((peak - floor) / MB, 1),
+                loss=round(float(loss), 4), grad_norm=round(float(x[0].grad.double().norm()), 4),
+                clip_frac=round(float(stats["clip_low_sum"] + stats["clip_high_sum"]) / float(stats["num_tokens"]), 4))
+
+
 def run_variant(args, variant: str, chunk_tokens: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--chunk-tokens", str(chunk_tokens),
            "--n-tokens", str(args.n_tokens), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
            "--dtype", args.dtype, "--temperature", str(args.temperature), "--device", args.device,
-           "--backend", args.backend, "--threads", str(args.threads)]
+           "--backend", args.backend, "--threads", str(args.threads), "--loss-tokens", str(args.loss_tokens),
+           "--loss-repeats", str(args.loss_repeats)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -177,16 +238,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per variant (0: torch's default)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of all variants; the fastest round counts")
     ap.add_argument("--no-shared", action="store_true", help="skip the AOT shared-memory report")
-    ap.add_argument("--worker", choices=["naive", "logits", "fused", "fused_objective"], help=argparse.SUPPRESS)
+    ap.add_argument("--loss-tokens", type=int, default=1 << 20, help="tokens of the loss-kernel comparison")
+    ap.add_argument("--loss-repeats", type=int, default=5, help="forward+backward passes of the loss; the fastest counts")
+    ap.add_argument("--worker", choices=["naive", "logits", "fused", "fused_objective", "loss_torch", "loss_triton"],
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.chunk_tokens is None:
         from kernels import KernelConfig
         args.chunk_tokens = KernelConfig().chunk_tokens
     if args.worker:
-        print(json.dumps(worker(argparse.Namespace(**{**vars(args), "variant": args.worker}))))
+        ns = argparse.Namespace(**{**vars(args), "variant": args.worker})
+        print(json.dumps(loss_worker(ns) if args.worker.startswith("loss_") else worker(ns)))
         return
     if args.quick:
-        args.n_tokens, args.hidden, args.vocab = 512, 128, 16384
+        args.n_tokens, args.hidden, args.vocab, args.loss_tokens = 512, 128, 16384, 1 << 16
 
     print(f"LM head + log-probs, forward+backward: N={args.n_tokens} H={args.hidden} V={args.vocab} "
           f"{args.dtype} on {args.device}, backend {args.backend}, torch threads {args.threads or 'default'}, "
@@ -207,6 +272,17 @@ def main() -> None:
                 r = best
             results[label] = r
 
+    # The fused loss kernel (Liger's triple: kernel, test, benchmark) against the torch objective.
+    # On CPU Triton runs only through its interpreter (numpy, one program at a time): a speed figure
+    # from it would mean nothing, so there the torch objective is measured alone.
+    loss_plan = ["loss_torch"] + (["loss_triton"] if args.device == "cuda" else [])
+    for variant in loss_plan:
+        r = run_variant(args, variant, args.chunk_tokens)
+        print(json.dumps({variant: r}))
+        results[variant] = r
+    if args.device != "cuda":
+        print("loss_triton: not measured on CPU (Triton needs CUDA; scripts/gpu_check.sh runs it)")
+
     if not args.no_shared:
         print("Triton kernels compiled for sm_90: shared memory per variant (bytes)")
         shared = shared_memory_report(args.quick)
@@ -217,7 +293,7 @@ def main() -> None:
     base = results["a_naive"]
     summary = {"sizes": dict(N=args.n_tokens, H=args.hidden, V=args.vocab, dtype=args.dtype, device=args.device)}
     for label, r in results.items():
-        if not isinstance(r, dict):
+        if not isinstance(r, dict) or label.startswith("loss_"):
             continue
         summary[label] = dict(seconds=r["seconds"], cpu_seconds=r["cpu_seconds"], above_floor_mb=r["above_floor_mb"],
                               peak_above_baseline_mb=r["peak_above_baseline_mb"])
@@ -225,6 +301,12 @@ def main() -> None:
             summary[label]["time_ratio_vs_a"] = round(r["seconds"] / base["seconds"], 3)
             summary[label]["cpu_time_ratio_vs_a"] = round(r["cpu_seconds"] / base["cpu_seconds"], 3)
             summary[label]["mem_above_floor_ratio_vs_a"] = round(r["above_floor_mb"] / base["above_floor_mb"], 3)
+    summary["loss_torch"] = {k: results["loss_torch"][k] for k in ("tokens", "seconds", "above_floor_mb")}
+    if "loss_triton" in results:
+        t, f = results["loss_torch"], results["loss_triton"]
+        summary["loss_triton"] = {"seconds": f["seconds"], "above_floor_mb": f["above_floor_mb"],
+                                  "time_ratio_vs_torch": round(f["seconds"] / t["seconds"], 3),
+                                  "mem_above_floor_ratio_vs_torch": round(f["above_floor_mb"] / max(t["above_floor_mb"], 1e-9), 3)}
     summary["floor_mb"] = base["floor_mb"]
     summary["shared_memory_max_bytes"] = results.get("shared_memory_max_bytes")
     c = summary["c_fused"]

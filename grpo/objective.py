@@ -1,8 +1,12 @@
 """The objective: group advantages, the clipped off-policy surrogate, KL, aggregation, diagnostics.
 
 Single source of truth for the maths of Mroueh et al. (arXiv 2505.22257, "Revisiting GRPO") and
-of the REC / RED families of Yao et al. (arXiv 2509.24203). The trainer calls these functions on
-CPU and GPU; the fused Triton kernel in kernels/ is tested against `objective`.
+of the REC / RED families of Yao et al. (arXiv 2509.24203). On CPU the trainer runs these torch
+functions; on CUDA it runs their fused Triton twin, kernels/loss.py (inside kernels.lm_head_objective,
+chosen by `objective_fn_for`). tests/test_kernels_loss.py keeps the two equal (loss, gradient and
+every statistic, for every option), and tests/test_kernels_lm_head.py the fused LM-head path
+against the plain head followed by `objective`. What the two share (input checks, statistic names
+and reductions) is kernels/contract.py.
 
 Symbols (paper names): alpha = the policy that sampled the batch (its per-token log-probs
 `logp_alpha` come from the inference server), pi_k = the trainer's policy at the start of the
@@ -18,7 +22,8 @@ Pipeline, once per batch of B prompts x G completions:
 
 Everything inside `per_token_loss` is elementwise (no op across tokens), so a kernel can
 re-implement it with one constexpr branch per option. Cross-token work (group statistics,
-RED, denominators, sequence-level drift) lives in the other functions.
+RED, denominators) lives in the other functions. The named methods of the two papers are
+settings of ObjectiveConfig: configs/objectives/<name>.yaml.
 """
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ from typing import Literal, Optional
 
 import torch
 from torch import Tensor
+
+import kernels
+from kernels.contract import DIAGNOSTIC_KEYS, EXTREME_KEYS, SQ_KEYS, STAT_KEYS, check_objective_inputs, reduction
 
 LossName = Literal["grpo", "reinforce", "rec_oneside_is", "rec_oneside_nois", "rec_twoside_is", "rec_ring_nois"]
 _REC_LOSSES = ("rec_oneside_is", "rec_oneside_nois", "rec_twoside_is", "rec_ring_nois")
@@ -82,10 +90,11 @@ class ObjectiveConfig:
             raise ValueError(f"eps_low: must be in [0, 1] (the band's lower edge is a ratio >= 0), got {self.eps_low}")
         if self.eps_high < 0.0:
             raise ValueError(f"eps_high: must be >= 0, got {self.eps_high}")
-        if not self.eps_low < self.ring_eps_low <= 1.0:
+        # The ring's outer margins only mean something for the ring loss (any eps suits plain GRPO).
+        if self.loss == "rec_ring_nois" and not self.eps_low < self.ring_eps_low <= 1.0:
             raise ValueError(f"ring_eps_low: must be in (eps_low, 1] (outer margin beyond the inner band), "
                              f"got {self.ring_eps_low}")
-        if not self.ring_eps_high > self.eps_high:
+        if self.loss == "rec_ring_nois" and not self.ring_eps_high > self.eps_high:
             raise ValueError(f"ring_eps_high: must be > eps_high (outer margin beyond the inner band), "
                              f"got {self.ring_eps_high}")
         if self.is_cap is not None and not self.is_cap > 0.0:
@@ -98,27 +107,6 @@ class ObjectiveConfig:
             raise ValueError(f"max_len_norm: must be >= 1 or null, got {self.max_len_norm}")
         if not self.red_tau > 0.0:
             raise ValueError(f"red_tau: must be > 0, got {self.red_tau}")
-
-
-# The named methods of the two papers as field values of ObjectiveConfig (configs/ can copy these).
-# REC/RED settings are those of the authors' Trinity-RFT examples (examples/rec_gsm8k): advantage
-# r - mean (no std), token-mean aggregation, eps 0.2/0.2, ring margins 0.6/2.0, RED-Weight tau 1.
-PAPER_PRESETS: dict[str, dict] = {
-    "grpo": dict(loss="grpo", adv_scale="group", aggregation="seq_mean"),
-    "grpo_zero_var_mask": dict(loss="grpo", adv_scale="group", mask_zero_variance=True),  # eq. 8
-    "dr_grpo": dict(loss="grpo", adv_scale="none", aggregation="seq_sum_norm"),
-    # DAPO without its refill of filtered groups (dynamic sampling) and without overlong reward shaping:
-    "dapo": dict(loss="grpo", adv_scale="group", eps_low=0.2, eps_high=0.28, aggregation="token_mean",
-                 mask_zero_variance=True, count_masked=False),
-    "reinforce": dict(loss="reinforce", adv_scale="none", aggregation="token_mean"),
-    "rec_oneside_is": dict(loss="rec_oneside_is", adv_scale="none", aggregation="token_mean"),
-    "rec_oneside_nois": dict(loss="rec_oneside_nois", adv_scale="none", aggregation="token_mean"),
-    "rec_twoside_is": dict(loss="rec_twoside_is", adv_scale="none", aggregation="token_mean"),
-    "rec_ring_nois": dict(loss="rec_ring_nois", adv_scale="none", aggregation="token_mean",
-                          eps_low=0.2, eps_high=0.2, ring_eps_low=0.6, ring_eps_high=2.0),
-    "red_drop": dict(loss="reinforce", red="drop", adv_scale="none", aggregation="token_mean"),
-    "red_weight": dict(loss="reinforce", red="weight", red_tau=1.0, adv_scale="none", aggregation="token_mean"),
-}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,27 +276,6 @@ def token_weights(completion_mask: Tensor, seq_weight: Tensor, cfg: ObjectiveCon
 # Per-token loss (eq. 6, 7; REINFORCE / REC of 2509.24203). Elementwise only.
 # ----------------------------------------------------------------------------------------------
 
-DIAGNOSTIC_KEYS = ("clip_low", "clip_high", "ratio", "is_weight", "is_capped", "kl", "tv", "kl_pik_alpha")
-
-
-def check_inputs(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
-                 adv: Tensor, cfg: ObjectiveConfig) -> Tensor:
-    """Shape and option checks shared with the fused kernel (same messages); returns adv with a
-    trailing token dim when it came per sequence."""
-    if logp_alpha.shape != logp.shape:
-        raise ValueError(f"logp_alpha: shape {tuple(logp_alpha.shape)} differs from logp {tuple(logp.shape)}")
-    for name, t in (("logp_k", logp_k), ("logp_ref", logp_ref)):
-        if t is not None and t.shape != logp.shape:
-            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from logp {tuple(logp.shape)}")
-    if cfg.beta > 0 and logp_ref is None:
-        raise ValueError("logp_ref: beta > 0 needs the reference policy's log-probs")
-    if adv.dim() == logp.dim() - 1:
-        adv = adv.unsqueeze(-1)
-    if adv.dim() != logp.dim():
-        raise ValueError(f"adv: shape {tuple(adv.shape)} does not broadcast per token over {tuple(logp.shape)}")
-    return adv
-
-
 def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
                    adv: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token loss to MINIMISE, = -surrogate + beta * kl, and per-token diagnostics.
@@ -352,7 +319,7 @@ def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], l
     TV(pi_k, alpha): E_alpha |pi_k/alpha - 1| / 2), kl_pik_alpha = w - 1 - log w (k3 estimator of
     KL(alpha || pi_k) under samples from alpha: unbiased, >= 0). tv and kl_pik_alpha use the raw w.
     """
-    adv = check_inputs(logp, logp_alpha, logp_k, logp_ref, adv, cfg)
+    adv = check_objective_inputs(logp, logp_alpha, logp_k, logp_ref, adv, cfg.beta)
 
     dtype = torch.promote_types(logp.dtype, torch.float32)
     logp = logp.to(dtype)
@@ -437,9 +404,6 @@ def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], l
 # The objective of one (micro-)batch and its additive statistics
 # ----------------------------------------------------------------------------------------------
 
-_SUM_KEYS = DIAGNOSTIC_KEYS
-_SQ_KEYS = ("ratio", "is_weight")  # also summed squared, for a standard deviation
-_EXTREME_KEYS = ("ratio", "is_weight")  # also max and min
 
 
 def objective(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
@@ -474,28 +438,21 @@ def objective(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_r
 
     act = active.to(per_token.dtype)
     stats: dict[str, Tensor] = {"num_tokens": act.sum(), "loss": loss.detach()}
-    for key in _SUM_KEYS:
+    for key in DIAGNOSTIC_KEYS:
         stats[f"{key}_sum"] = (diag[key] * act).sum()
-    for key in _SQ_KEYS:
+    for key in SQ_KEYS:
         stats[f"{key}_sqsum"] = (diag[key] ** 2 * act).sum()
     inf = torch.tensor(float("inf"), dtype=per_token.dtype, device=per_token.device)
-    for key in _EXTREME_KEYS:
+    for key in EXTREME_KEYS:
         stats[f"{key}_max"] = torch.where(active, diag[key], -inf).amax() if active.numel() else -inf
         stats[f"{key}_min"] = torch.where(active, diag[key], inf).amin() if active.numel() else inf
     return loss, stats
 
 
 def merge_stats(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Combine the stats of two micro-batches (MAX for *_max, MIN for *_min, SUM otherwise)."""
-    out = {}
-    for key in a:
-        if key.endswith("_max"):
-            out[key] = torch.maximum(a[key], b[key])
-        elif key.endswith("_min"):
-            out[key] = torch.minimum(a[key], b[key])
-        else:
-            out[key] = a[key] + b[key]
-    return out
+    """Combine the stats of two micro-batches (each key by its kernels.contract.reduction)."""
+    merge = {"max": torch.maximum, "min": torch.minimum, "sum": torch.add}
+    return {key: merge[reduction(key)](a[key], b[key]) for key in a}
 
 
 def all_reduce_stats(stats: dict[str, Tensor], group=None) -> dict[str, Tensor]:
@@ -503,10 +460,9 @@ def all_reduce_stats(stats: dict[str, Tensor], group=None) -> dict[str, Tensor]:
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return stats
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}
     for key in sorted(stats):
-        op = dist.ReduceOp.MAX if key.endswith("_max") else dist.ReduceOp.MIN if key.endswith("_min") \
-            else dist.ReduceOp.SUM
-        dist.all_reduce(stats[key], op=op, group=group)
+        dist.all_reduce(stats[key], op=ops[reduction(key)], group=group)
     return stats
 
 
@@ -524,7 +480,7 @@ def finalize_stats(sums: dict[str, Tensor]) -> dict[str, float]:
            "is_capped_frac": mean("is_capped_sum"), "kl_mean": mean("kl_sum"), "tv_mean": mean("tv_sum"),
            "kl_pik_alpha_mean": mean("kl_pik_alpha_sum")}
     out["clip_frac"] = out["clip_low_frac"] + out["clip_high_frac"]
-    for key in _SQ_KEYS:
+    for key in SQ_KEYS:
         m = mean(f"{key}_sum")
         out[f"{key}_mean"] = m
         out[f"{key}_std"] = math.sqrt(max(mean(f"{key}_sqsum") - m * m, 0.0)) if n > 0 else float("nan")
@@ -534,32 +490,23 @@ def finalize_stats(sums: dict[str, Tensor]) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Sequence-level drift and the terms of the improvement bound (Theorem 1, eq. 4)
+# The objective as the fused LM head calls it
 # ----------------------------------------------------------------------------------------------
 
-def sequence_drift(logp_k: Tensor, logp_alpha: Tensor, completion_mask: Tensor) -> dict[str, Tensor]:
-    """Per-sequence drift between pi_k and alpha, from the sampled tokens (y ~ alpha).
-
-    Theorem 1's TV(pi_k(.|x), alpha(.|x)) is over whole completions; with W = pi_k(y|x)/alpha(y|x) =
-    exp(sum_t (logp_k - logp_alpha)):
-      tv  [B] = |W - 1| / 2         (E_alpha of it = TV(pi_k, alpha) exactly; high variance for long y)
-      kl  [B] = W - 1 - log W       (k3: E_alpha of it = KL(alpha || pi_k); Pinsker: TV <= sqrt(KL/2))
-      log_w [B] = log W
-    log W is clamped to [-80, 80] to keep exp finite in float32.
-    """
-    mask = completion_mask.to(torch.float64)
-    log_w = ((logp_k.detach().to(torch.float64) - logp_alpha.detach().to(torch.float64)) * mask).sum(-1)
-    log_w = log_w.clamp(-80.0, 80.0)
-    big_w = torch.exp(log_w)
-    return {"tv": 0.5 * (big_w - 1.0).abs(), "kl": big_w - 1.0 - log_w, "log_w": log_w}
+def objective_with_grad(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
+                        adv: Tensor, weights: Tensor, cfg: ObjectiveConfig, block=None) -> tuple[Tensor, Tensor, Tensor]:
+    """`objective` in the fused kernel's contract (kernels.triton_objective): flat inputs ->
+    (loss, stats vector in kernels.contract.STAT_KEYS order, d loss / d logp), by autograd."""
+    with torch.enable_grad():
+        leaf = logp.detach().requires_grad_()
+        loss, stats = objective(leaf, logp_alpha, logp_k, logp_ref, adv, weights, cfg)
+        (grad_logp,) = torch.autograd.grad(loss, leaf)
+    return loss.detach(), torch.stack([stats[key].float() for key in STAT_KEYS]), grad_logp
 
 
-def bound_penalty(seq_tv: Tensor, group_size: int, bound_M: float) -> dict[str, float]:
-    """Estimate the penalty terms of eq. 4 at pi = pi_k (start of the iteration):
-    2 M sqrt(E_x TV^2(pi_k, alpha)) + 2 E_x TV(pi_k, alpha), with TV(x) = mean over the G samples of
-    prompt x of seq_tv (from sequence_drift). The bound guarantees improvement when the surrogate
-    gain L_alpha exceeds this; a researcher watches it grow with v."""
-    tv_x = seq_tv.detach().to(torch.float64).view(-1, group_size).mean(dim=1)
-    tv_mean = float(tv_x.mean())
-    tv_rms = float((tv_x ** 2).mean().sqrt())
-    return {"tv_seq_mean": tv_mean, "tv_seq_rms": tv_rms, "bound_penalty": 2.0 * bound_M * tv_rms + 2.0 * tv_mean}
+def objective_fn_for(device: torch.device, kernel_config: "kernels.KernelConfig"):
+    """The objective inside kernels.lm_head_objective: the fused Triton kernel where the kernels run
+    Triton (CUDA; the interpreter in tests), this module's torch maths elsewhere."""
+    if kernels.resolve_backend(kernel_config.backend, device) == "triton":
+        return kernels.triton_objective
+    return objective_with_grad

@@ -1,22 +1,28 @@
-"""The one dispatch point of the fused kernels: Triton on CUDA, plain torch on CPU.
+"""The fused kernels: Triton on CUDA, plain torch on CPU, chosen here.
 
     token_logprobs(logits, targets, temperature, logp_alpha, with_entropy)  -> (logp, log_ratio, entropy)
     lm_head_logprobs(hidden, weight, targets, temperature, chunk_tokens, with_entropy) -> (logp, entropy)
-    grpo_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg)  -> (loss, stats)
-    lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg, ...)
-                                                                           -> (loss, stats, logp)
+    grpo_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg)  -> (loss, stats)     [Triton]
+    lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg, *,
+                      objective_fn, with_entropy, ...)                     -> (loss, stats, logp, entropy)
 
 Memory: lm_head_logprobs / lm_head_objective never hold more than one [chunk_tokens, V] block of
 logits (bench/kernels.py: ~5% of the naive path's memory above the gradients at Qwen2.5-0.5B sizes).
 lm_head_logprobs recomputes each chunk's logits in backward (4 matmuls instead of 3, ~1.3x time on
 CPU); lm_head_objective, when the loss is exactly the objective of logp, computes the gradients
-during the forward (3 matmuls, ~1.0x). Entropy is differentiable. Target ids < 0 are ignored rows.
+during the forward (3 matmuls, ~1.0x). Logits are fp32 whatever the weights' dtype (see lm_head.py).
+Target ids < 0 are ignored rows.
 
 backend: "auto" (Triton for CUDA tensors, torch otherwise), "triton" (also on CPU tensors when
 TRITON_INTERPRET=1 was set before triton was imported: how the tests run the kernels), "torch".
-Every op is in its own module: kernels/logprobs.py, kernels/lm_head.py, kernels/loss.py, each with
-its Triton kernels, its torch implementation and its autograd.Function; kernels/aot.py compiles every
-Triton variant for sm_90 without a GPU (python -m kernels.aot).
+
+kernels/ imports nothing from grpo/. The objective's maths lives in grpo/objective.py (the source
+of truth); kernels/loss.py is its fused Triton twin, kernels/contract.py what the two share (input
+checks, statistic names). Where a torch objective is wanted (lm_head_objective on CPU), the caller
+passes it as `objective_fn` (grpo.objective.objective_fn_for picks). Every op is in its own module:
+kernels/logprobs.py, kernels/lm_head.py, kernels/loss.py, each with its Triton kernels, its torch
+implementation and its autograd.Function; kernels/aot.py compiles every Triton variant for sm_90
+without a GPU (python -m kernels.aot).
 """
 from __future__ import annotations
 
@@ -26,9 +32,10 @@ from typing import Literal, Optional
 
 import torch
 
+from .contract import STAT_KEYS, check_objective_inputs, check_weights
 from .lm_head import LMHeadLogprobs, LMHeadObjective
 from .logprobs import LogprobImpl, TokenLogprobs
-from .loss import STAT_KEYS, GRPOObjective, torch_objective, triton_objective
+from .loss import GRPOObjective, triton_objective
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -171,44 +178,39 @@ def lm_head_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=None
     return logp, entropy
 
 
-def _check_objective_inputs(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg):
-    """The checks (and messages) of grpo.objective.objective / per_token_loss."""
-    from grpo.objective import check_inputs  # imported late: grpo may import kernels
-
-    if weights.shape != logp.shape:
-        raise ValueError(f"weights: shape {tuple(weights.shape)} differs from logp {tuple(logp.shape)}")
-    adv = check_inputs(logp, logp_alpha, logp_k, logp_ref, adv, cfg)
-    try:
-        return adv.expand(logp.shape)
-    except RuntimeError:
-        raise ValueError(f"adv: shape {tuple(adv.shape)} does not broadcast per token over {tuple(logp.shape)}") from None
-
-
 def grpo_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, backend="auto",
                    config: Optional[KernelConfig] = None):
-    """grpo.objective.objective (same arguments, same (loss, stats) contract), fused on the Triton
-    backend: one pass computes the loss, d loss / d logp and every stats sum. The torch backend
-    (and any float64 input, which the fp32 kernel would round) calls grpo.objective.objective."""
+    """The fused Triton loss: grpo.objective.objective's arguments and (loss, stats) contract, in one
+    pass that computes the loss, d loss / d logp and every statistic. Triton only: on a device
+    where Triton cannot run, the same error as resolve_backend (the torch reference is
+    grpo.objective.objective itself)."""
     config = _pick(backend, config)
-    resolved = resolve_backend(config.backend, logp.device)
-    if resolved == "torch" or logp.dtype == torch.float64:
-        from grpo.objective import objective  # the source of truth; imported late: grpo may import kernels
-
-        return objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg)
-    adv = _check_objective_inputs(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg)
+    if resolve_backend("triton" if config.backend == "auto" else config.backend, logp.device) != "triton":
+        raise ValueError("backend: grpo_objective is the Triton kernel; use grpo.objective.objective for torch")
+    check_weights(weights, logp)
+    adv = check_objective_inputs(logp, logp_alpha, logp_k, logp_ref, adv, cfg.beta)
+    try:
+        adv = adv.expand(logp.shape)
+    except RuntimeError:
+        raise ValueError(f"adv: shape {tuple(adv.shape)} does not broadcast per token over {tuple(logp.shape)}") from None
     loss, stats = GRPOObjective.apply(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, config.loss_block)
     return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}
 
 
-def lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg, temperature=1.0,
-                      chunk_tokens=None, backend="auto", config: Optional[KernelConfig] = None):
-    """grpo_objective(lm_head_logprobs(hidden, weight, targets, temperature), ...) in one chunked pass
+def lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg, *, objective_fn,
+                      temperature=1.0, with_entropy=False, chunk_tokens=None, backend="auto",
+                      config: Optional[KernelConfig] = None):
+    """objective(lm_head_logprobs(hidden, weight, targets, temperature), ...) in one chunked pass
     that computes the gradients of hidden and weight during the forward (3 matmuls, no recompute).
 
     Per-token tensors (logp_alpha, logp_k or None, logp_ref or None, adv, weights) are flat [N],
     aligned with the rows of hidden; targets < 0 are ignored rows (give them weight 0 too).
-    Returns (loss, stats, logp [N] detached) with loss and stats as grpo.objective.objective's.
-    Use it when the loss is exactly the objective of logp (nothing else differentiates logp)."""
+    objective_fn(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, block) -> (loss, stats
+    vector, grad_logp): kernels.triton_objective or the caller's torch reference
+    (grpo.objective.objective_with_grad). Returns (loss, stats keyed by STAT_KEYS, logp [N] detached,
+    entropy [N] detached or None): with_entropy adds each row's entropy of softmax(z / T), from the
+    same logits (not differentiated: the loss has no entropy term). Use it when the loss is exactly
+    the objective of logp (nothing else differentiates logp)."""
     n_rows, n_cols = _check_lm_head(hidden, weight, targets)
     for name, t in (("logp_alpha", logp_alpha), ("logp_k", logp_k), ("logp_ref", logp_ref), ("adv", adv),
                     ("weights", weights)):
@@ -221,13 +223,12 @@ def lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv
     if chunk_tokens is not None:
         config = KernelConfig(**{**config.__dict__, "chunk_tokens": chunk_tokens})
     impl = _logprob_impl(config, hidden.device, n_cols)
-    objective_fn = triton_objective if impl.backend == "triton" else torch_objective
     flat = [None if t is None else t.detach().float().contiguous() for t in (logp_alpha, logp_k, logp_ref, adv, weights)]
-    loss, stats, logp = LMHeadObjective.apply(hidden, weight, targets.to(torch.int64).contiguous(), *flat, cfg,
-                                              inv_temperature, config.chunk_tokens, impl, objective_fn,
-                                              config.loss_block)
-    return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}, logp
+    loss, stats, logp, entropy = LMHeadObjective.apply(
+        hidden, weight, targets.to(torch.int64).contiguous(), *flat, cfg, inv_temperature, config.chunk_tokens,
+        impl, objective_fn, config.loss_block, bool(with_entropy))
+    return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}, logp, entropy
 
 
 __all__ = ["KernelConfig", "token_logprobs", "lm_head_logprobs", "grpo_objective", "lm_head_objective",
-           "resolve_backend", "BACKENDS"]
+           "triton_objective", "resolve_backend", "BACKENDS", "STAT_KEYS"]

@@ -11,15 +11,69 @@ Why recompute instead of computing the gradients during the forward (as fused li
 does): our output is a per-token logp whose upstream gradient g_i is not known at forward time, and
 grad_weight = sum_i g_i (onehot_i - p_i)^T hidden_i / T mixes all tokens' g_i with [V]-sized rows,
 so it cannot be prepared without keeping [N, V] of state. Recomputing costs one matmul of the three
-of a plain forward+backward (~1.33x matmul time) and no memory.
+of a plain forward+backward (~1.33x matmul time) and no memory. LMHeadObjective, whose loss IS a
+function of logp alone, computes the gradients in the forward instead (3 matmuls).
 
-The per-chunk matmuls are torch (cuBLAS / MKL); the log-prob part is `LogprobImpl` (torch or Triton).
+Numerics: logits are always fp32, whatever the weights' dtype. bf16 logits have a rounding step of
+0.125 at |z| ~ 16-32; divided by the paper's temperature 0.1 that is up to ~0.6 nat of log-prob
+error, which the ratio pi/alpha, the IS weight and the TV/KL diagnostics would all carry. How fp32
+logits come out of bf16 operands is `gemm_strategy`'s decision (per device and dtype): cuBLAS's
+bf16-in / fp32-out GEMMs on CUDA (fp32 accumulation at bf16 tensor-core speed), an fp32 GEMM of
+upcast operands on CPU (which has no such kernel). No host synchronisation inside the chunk loops.
 """
 from __future__ import annotations
 
 import torch
 
 from .logprobs import LogprobImpl, merge_grads
+
+MIXED_GEMM = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def gemm_strategy(device_type: str, dtype: torch.dtype, mixed_gemm_available: bool = MIXED_GEMM) -> str:
+    """How the LM head's GEMMs give fp32 logits (and fp32 weight gradients) from `dtype` operands:
+    "native" (fp32 operands), "out_dtype" (bf16/fp16 operands, fp32 output and accumulation:
+    torch.mm / torch.addmm with out_dtype, CUDA), or "upcast" (fp32 GEMM of upcast operands: the
+    CPU, which has no bf16-in/fp32-out kernel, or a torch without out_dtype)."""
+    if dtype == torch.float32 or dtype == torch.float64:
+        return "native"
+    if device_type == "cuda" and mixed_gemm_available and dtype in (torch.bfloat16, torch.float16):
+        return "out_dtype"
+    return "upcast"
+
+
+class _HeadGemms:
+    """The three GEMMs of the chunked LM head under one strategy (operands prepared once per call)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.strategy = gemm_strategy(weight.device.type, weight.dtype)
+        # upcast: one fp32 copy of the weight per call, not one per chunk
+        self.weight32 = weight.float() if self.strategy == "upcast" else weight
+
+    def logits(self, hidden_c: torch.Tensor) -> torch.Tensor:
+        """[c, V] fp32 = hidden_c @ weight^T."""
+        if self.strategy == "out_dtype":
+            return torch.mm(hidden_c, self.weight.t(), out_dtype=torch.float32)
+        return hidden_c.to(self.weight32.dtype) @ self.weight32.t()
+
+    def grad_hidden(self, dlogits: torch.Tensor, out: torch.Tensor) -> None:
+        """out [c, H] (hidden's dtype) = dlogits [c, V] fp32 @ weight."""
+        if self.strategy == "out_dtype":
+            # bf16 operands as in any bf16 backward (dlogits rounded once), fp32 accumulation inside.
+            torch.mm(dlogits.to(self.weight.dtype), self.weight, out=out)
+        elif out.dtype == self.weight32.dtype:
+            torch.mm(dlogits, self.weight32, out=out)
+        else:
+            out.copy_(dlogits @ self.weight32)
+
+    def accumulate_grad_weight(self, grad_weight: torch.Tensor, dlogits: torch.Tensor, hidden_c: torch.Tensor) -> None:
+        """grad_weight [V, H] fp32 += dlogits^T @ hidden_c, in place (no [V, H] temporary)."""
+        if self.strategy == "out_dtype":
+            torch.addmm(grad_weight, dlogits.t().to(hidden_c.dtype), hidden_c, out_dtype=torch.float32,
+                        out=grad_weight)
+        else:
+            grad_weight.addmm_(dlogits.t(), hidden_c.to(grad_weight.dtype))
 
 
 def _chunks(n_rows: int, chunk_tokens: int):
@@ -36,8 +90,9 @@ class LMHeadLogprobs(torch.autograd.Function):
         f32 = dict(dtype=torch.float32, device=hidden.device)
         logp, lse = torch.empty(n_rows, **f32), torch.empty(n_rows, **f32)
         entropy = torch.empty(n_rows, **f32) if with_entropy else None
+        gemms = _HeadGemms(weight)
         for c0, c1 in _chunks(n_rows, chunk_tokens):
-            logits = hidden[c0:c1] @ weight.t()
+            logits = gemms.logits(hidden[c0:c1])
             lp, ls, ent, _ = impl.forward(logits, targets[c0:c1], inv_temperature, with_entropy)
             logp[c0:c1], lse[c0:c1] = lp, ls
             if with_entropy:
@@ -58,25 +113,31 @@ class LMHeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
         # fp32 accumulator; for an fp32 weight it is the returned gradient itself (no copy).
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        for c0, c1 in _chunks(hidden.shape[0], ctx.chunk_tokens):
-            g_c = g[c0:c1]
-            ge_c = grad_entropy[c0:c1] if grad_entropy is not None else None
-            # Chunks of padding (no gradient at all) cost nothing.
-            if not bool(g_c.any()) and (ge_c is None or not bool(ge_c.any())):
+        chunks = list(_chunks(hidden.shape[0], ctx.chunk_tokens))
+
+        def has_gradient(c0, c1):
+            flag = (g[c0:c1] != 0).any()
+            if grad_entropy is not None:
+                flag = flag | (grad_entropy[c0:c1] != 0).any()
+            return flag
+
+        # Chunks of padding (no gradient at all) cost nothing: which ones, in ONE host sync per call.
+        live = torch.stack([has_gradient(c0, c1) for c0, c1 in chunks]).tolist() if chunks else []
+        gemms = _HeadGemms(weight)
+        for (c0, c1), is_live in zip(chunks, live):
+            if not is_live:
                 continue
             hidden_c = hidden[c0:c1]
-            logits = hidden_c @ weight.t()
-            ctx.impl.backward(logits, targets[c0:c1], lse[c0:c1], g_c,
-                              entropy[c0:c1] if entropy is not None else None, ge_c,
+            logits = gemms.logits(hidden_c)
+            ctx.impl.backward(logits, targets[c0:c1], lse[c0:c1], g[c0:c1],
+                              entropy[c0:c1] if entropy is not None else None,
+                              grad_entropy[c0:c1] if grad_entropy is not None else None,
                               ctx.inv_temperature, out=logits)
             dlogits = logits  # overwritten in place: the chunk's only [c, V] buffer
             if need_hidden:
-                torch.mm(dlogits, weight, out=grad_hidden[c0:c1])
+                gemms.grad_hidden(dlogits, out=grad_hidden[c0:c1])
             if need_weight:
-                if dlogits.dtype == torch.float32:
-                    grad_weight.addmm_(dlogits.t(), hidden_c)
-                else:  # CPU has no mixed-dtype addmm; a bf16 chunk is upcast (one chunk-size temporary)
-                    grad_weight.addmm_(dlogits.t().float(), hidden_c.float())
+                gemms.accumulate_grad_weight(grad_weight, dlogits, hidden_c)
             del logits, dlogits
         if need_weight and weight.dtype != torch.float32:
             grad_weight = grad_weight.to(weight.dtype)
@@ -84,67 +145,70 @@ class LMHeadLogprobs(torch.autograd.Function):
 
 
 class LMHeadObjective(torch.autograd.Function):
-    """hidden, weight -> (loss, stats vector, logp) of grpo.objective.objective, gradients computed
+    """hidden, weight -> (loss, stats vector, logp, entropy) of the objective, gradients computed
     chunk by chunk DURING the forward: the per-token objective gives d loss / d logp_i from token i
     alone, so each chunk's dlogits is known as soon as its logits are, and no recomputation is
     needed (3 matmuls, as a plain forward + backward, instead of 4). Backward only scales them.
 
-    All per-token inputs are flat [N] fp32 (adv per token); objective_fn is loss.triton_objective or
-    loss.torch_objective."""
+    All per-token inputs are flat [N] fp32 (adv per token); objective_fn(logp, logp_alpha, logp_k,
+    logp_ref, adv, weights, cfg, block) -> (loss, stats vector, grad_logp) is the fused kernel
+    (loss.triton_objective) or the caller's torch reference."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg,
-                inv_temperature, chunk_tokens, impl: LogprobImpl, objective_fn, loss_block):
-        from .loss import merge_stat_vectors
+                inv_temperature, chunk_tokens, impl: LogprobImpl, objective_fn, loss_block, with_entropy):
+        from .contract import merge_stat_vectors
 
         n_rows = hidden.shape[0]
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        logp = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        logp = torch.empty(n_rows, **f32)
+        entropy = torch.empty(n_rows, **f32) if with_entropy else None
         loss, stats = None, None
+        gemms = _HeadGemms(weight)
 
         def part(t, c0, c1):
             return None if t is None else t[c0:c1]
 
         for c0, c1 in _chunks(n_rows, chunk_tokens):
             hidden_c = hidden[c0:c1]
-            logits = hidden_c @ weight.t()
-            logp_c, lse_c, _, _ = impl.forward(logits, targets[c0:c1], inv_temperature, False)
+            logits = gemms.logits(hidden_c)
+            logp_c, lse_c, entropy_c, _ = impl.forward(logits, targets[c0:c1], inv_temperature, with_entropy)
             logp[c0:c1] = logp_c
+            if with_entropy:
+                entropy[c0:c1] = entropy_c
             loss_c, stats_c, g_c = objective_fn(logp_c, logp_alpha[c0:c1], part(logp_k, c0, c1),
                                                 part(logp_ref, c0, c1), adv[c0:c1], weights[c0:c1], cfg, loss_block)
             loss = loss_c if loss is None else loss + loss_c
             stats = merge_stat_vectors(stats, stats_c)
             g_c = torch.where(targets[c0:c1] >= 0, g_c, 0.0).contiguous()
-            if not bool(g_c.any()):
-                continue
             impl.backward(logits, targets[c0:c1], lse_c, g_c, None, None, inv_temperature, out=logits)
             if need_hidden:
-                torch.mm(logits, weight, out=grad_hidden[c0:c1])
+                gemms.grad_hidden(logits, out=grad_hidden[c0:c1])
             if need_weight:
-                if logits.dtype == torch.float32:
-                    grad_weight.addmm_(logits.t(), hidden_c)
-                else:
-                    grad_weight.addmm_(logits.t().float(), hidden_c.float())
+                gemms.accumulate_grad_weight(grad_weight, logits, hidden_c)
             del logits
+        if loss is None:  # no rows (an empty micro-batch): a zero loss that still reaches the graph
+            loss, stats, _ = objective_fn(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, loss_block)
         if need_weight and weight.dtype != torch.float32:
             grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.mark_non_differentiable(stats, logp)
-        return loss, stats, logp
+        outputs = (stats, logp) + ((entropy,) if with_entropy else ())
+        ctx.mark_non_differentiable(*outputs)
+        return (loss, stats, logp, entropy)
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_stats, grad_logp):
+    def backward(ctx, grad_loss, grad_stats, grad_logp, grad_entropy):
         if getattr(ctx, "used", False):
             raise RuntimeError("lm_head_objective: backward twice (retain_graph) is not supported: "
                                "its gradients are computed once in the forward and scaled in place")
         ctx.used = True
         grad_hidden, grad_weight = ctx.saved_tensors
         # The loss is a scalar: its gradients were computed for d loss = 1; rescale in place (a copy
-        # of the weight gradient would cost another [V, H]) unless that is it.
-        if float(grad_loss) != 1.0:
-            for grad in (grad_hidden, grad_weight):
-                if grad is not None:
-                    grad.mul_(grad_loss.to(grad.dtype))
-        return (grad_hidden, grad_weight) + (None,) * 12
+        # of the weight gradient would cost another [V, H]). A device-side multiply, no host sync.
+        for grad in (grad_hidden, grad_weight):
+            if grad is not None:
+                grad.mul_(grad_loss.to(grad.dtype))
+        return (grad_hidden, grad_weight) + (None,) * 13

@@ -11,8 +11,12 @@ The maths is grpo/objective.py's `per_token_loss` + `objective`, which stays the
 Gradients follow torch's own rules for min / max (an exact tie splits the gradient evenly), so the
 kernel's gradient equals autograd's through the reference, ties included.
 
-Cross-program sums are written as per-program partials [programs, N_STATS] and reduced by torch:
-deterministic, no atomics.
+Statistics: one partial vector per program, [programs, N_STATS], in kernels.contract's STAT_KEYS
+order (each slot a constexpr derived from the key list), reduced by torch per each key's reduction
+kind: deterministic, no atomics.
+
+This module imports nothing from grpo/: the torch reference (grpo.objective.objective) is the
+caller's to inject where a torch path is wanted (see lm_head_objective's objective_fn).
 """
 from __future__ import annotations
 
@@ -22,14 +26,30 @@ import torch
 import triton
 import triton.language as tl
 
+from .contract import N_STATS, STAT_KEYS, STAT_SLOT, reduce_partials  # noqa: F401 (STAT_KEYS: re-exported)
+
 LOSS_CODES = {"grpo": 0, "reinforce": 1, "rec_oneside_is": 2, "rec_oneside_nois": 3,
               "rec_twoside_is": 4, "rec_ring_nois": 5}
 KL_CODES = {"none": 0, "k1": 1, "k2": 2, "k3": 3}
-# Order of the partial sums written by the kernel = order of grpo.objective.objective's stats dict.
-STAT_KEYS = ("num_tokens", "loss", "clip_low_sum", "clip_high_sum", "ratio_sum", "is_weight_sum",
-             "is_capped_sum", "kl_sum", "tv_sum", "kl_pik_alpha_sum", "ratio_sqsum", "is_weight_sqsum",
-             "ratio_max", "ratio_min", "is_weight_max", "is_weight_min")
-N_STATS = len(STAT_KEYS)
+
+# Slots of a program's row of partials, as compile-time constants the kernel reads.
+_N_STATS = tl.constexpr(N_STATS)
+_NUM_TOKENS = tl.constexpr(STAT_SLOT["num_tokens"])
+_LOSS = tl.constexpr(STAT_SLOT["loss"])
+_CLIP_LOW_SUM = tl.constexpr(STAT_SLOT["clip_low_sum"])
+_CLIP_HIGH_SUM = tl.constexpr(STAT_SLOT["clip_high_sum"])
+_RATIO_SUM = tl.constexpr(STAT_SLOT["ratio_sum"])
+_IS_WEIGHT_SUM = tl.constexpr(STAT_SLOT["is_weight_sum"])
+_IS_CAPPED_SUM = tl.constexpr(STAT_SLOT["is_capped_sum"])
+_KL_SUM = tl.constexpr(STAT_SLOT["kl_sum"])
+_TV_SUM = tl.constexpr(STAT_SLOT["tv_sum"])
+_KL_PIK_ALPHA_SUM = tl.constexpr(STAT_SLOT["kl_pik_alpha_sum"])
+_RATIO_SQSUM = tl.constexpr(STAT_SLOT["ratio_sqsum"])
+_IS_WEIGHT_SQSUM = tl.constexpr(STAT_SLOT["is_weight_sqsum"])
+_RATIO_MAX = tl.constexpr(STAT_SLOT["ratio_max"])
+_RATIO_MIN = tl.constexpr(STAT_SLOT["ratio_min"])
+_IS_WEIGHT_MAX = tl.constexpr(STAT_SLOT["is_weight_max"])
+_IS_WEIGHT_MIN = tl.constexpr(STAT_SLOT["is_weight_min"])
 
 
 @triton.jit
@@ -150,23 +170,23 @@ def grpo_loss_fwd_kernel(
     tl.store(grad_logp_ptr + offs, tl.where(active, weight * d_tok, 0.0), mask=in_bounds)
 
     act = tl.where(active, 1.0, 0.0)
-    out = partials_ptr + pid * 16
-    tl.store(out + 0, tl.sum(act, axis=0))
-    tl.store(out + 1, tl.sum(tl.where(active, loss_tok * weight, 0.0), axis=0))
-    tl.store(out + 2, tl.sum(clip_low * act, axis=0))
-    tl.store(out + 3, tl.sum(clip_high * act, axis=0))
-    tl.store(out + 4, tl.sum(ratio * act, axis=0))
-    tl.store(out + 5, tl.sum(w_bar * act, axis=0))
-    tl.store(out + 6, tl.sum(is_capped * act, axis=0))
-    tl.store(out + 7, tl.sum(kl * act, axis=0))
-    tl.store(out + 8, tl.sum(0.5 * tl.abs(w - 1.0) * act, axis=0))
-    tl.store(out + 9, tl.sum((w - 1.0 - log_w) * act, axis=0))
-    tl.store(out + 10, tl.sum(ratio * ratio * act, axis=0))
-    tl.store(out + 11, tl.sum(w_bar * w_bar * act, axis=0))
-    tl.store(out + 12, tl.max(tl.where(active, ratio, float("-inf")), axis=0))
-    tl.store(out + 13, tl.min(tl.where(active, ratio, float("inf")), axis=0))
-    tl.store(out + 14, tl.max(tl.where(active, w_bar, float("-inf")), axis=0))
-    tl.store(out + 15, tl.min(tl.where(active, w_bar, float("inf")), axis=0))
+    out = partials_ptr + pid * _N_STATS
+    tl.store(out + _NUM_TOKENS, tl.sum(act, axis=0))
+    tl.store(out + _LOSS, tl.sum(tl.where(active, loss_tok * weight, 0.0), axis=0))
+    tl.store(out + _CLIP_LOW_SUM, tl.sum(clip_low * act, axis=0))
+    tl.store(out + _CLIP_HIGH_SUM, tl.sum(clip_high * act, axis=0))
+    tl.store(out + _RATIO_SUM, tl.sum(ratio * act, axis=0))
+    tl.store(out + _IS_WEIGHT_SUM, tl.sum(w_bar * act, axis=0))
+    tl.store(out + _IS_CAPPED_SUM, tl.sum(is_capped * act, axis=0))
+    tl.store(out + _KL_SUM, tl.sum(kl * act, axis=0))
+    tl.store(out + _TV_SUM, tl.sum(0.5 * tl.abs(w - 1.0) * act, axis=0))
+    tl.store(out + _KL_PIK_ALPHA_SUM, tl.sum((w - 1.0 - log_w) * act, axis=0))
+    tl.store(out + _RATIO_SQSUM, tl.sum(ratio * ratio * act, axis=0))
+    tl.store(out + _IS_WEIGHT_SQSUM, tl.sum(w_bar * w_bar * act, axis=0))
+    tl.store(out + _RATIO_MAX, tl.max(tl.where(active, ratio, float("-inf")), axis=0))
+    tl.store(out + _RATIO_MIN, tl.min(tl.where(active, ratio, float("inf")), axis=0))
+    tl.store(out + _IS_WEIGHT_MAX, tl.max(tl.where(active, w_bar, float("-inf")), axis=0))
+    tl.store(out + _IS_WEIGHT_MIN, tl.min(tl.where(active, w_bar, float("inf")), axis=0))
 
 
 def kernel_constexprs(cfg, has_ref: bool) -> dict:
@@ -194,28 +214,8 @@ def triton_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, bloc
         float(cfg.is_cap) if cfg.is_cap is not None else math.inf, float(cfg.beta),
         BLOCK=block, **kernel_constexprs(cfg, logp_ref is not None),
     )
-    stats = torch.cat([partials[:, :12].sum(0), partials[:, 12:13].amax(0), partials[:, 13:14].amin(0),
-                       partials[:, 14:15].amax(0), partials[:, 15:16].amin(0)])
-    return stats[1].clone(), stats, grad_logp
-
-
-def torch_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, block=None):
-    """triton_objective's contract with grpo.objective.objective itself (autograd for the gradient)."""
-    from grpo.objective import objective  # imported late: grpo may import kernels
-
-    with torch.enable_grad():
-        leaf = logp.detach().requires_grad_()
-        loss, stats = objective(leaf, logp_alpha, logp_k, logp_ref, adv, weights, cfg)
-        (grad_logp,) = torch.autograd.grad(loss, leaf)
-    return loss.detach(), torch.stack([stats[key].float() for key in STAT_KEYS]), grad_logp
-
-
-def merge_stat_vectors(a, b):
-    """Stats vectors of two disjoint sets of tokens -> the stats of their union (sums add, max, min)."""
-    if a is None:
-        return b
-    return torch.cat([a[:12] + b[:12], torch.maximum(a[12:13], b[12:13]), torch.minimum(a[13:14], b[13:14]),
-                      torch.maximum(a[14:15], b[14:15]), torch.minimum(a[15:16], b[15:16])])
+    stats = reduce_partials(partials)
+    return stats[STAT_SLOT["loss"]].clone(), stats, grad_logp
 
 
 class GRPOObjective(torch.autograd.Function):

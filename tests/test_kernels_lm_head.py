@@ -86,7 +86,7 @@ def test_lm_head_bad_inputs():
 def test_lm_head_objective_matches_logprobs_then_objective(backend, loss_name):
     # Gradients computed during the forward (no recompute) equal autograd through the naive head
     # followed by grpo.objective.objective; the loss is scaled by 3 to check the backward's rescale.
-    from grpo.objective import ObjectiveConfig, objective
+    from grpo.objective import ObjectiveConfig, objective, objective_fn_for
 
     torch.manual_seed(5)
     n_tokens, hidden_size, vocab = 40, 16, 200
@@ -104,15 +104,18 @@ def test_lm_head_objective_matches_logprobs_then_objective(backend, loss_name):
     weights = torch.rand(n_tokens)
     weights[-6:] = 0.0
 
-    loss, stats, logp = kernels.lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv,
-                                                  weights, cfg, temperature=0.8, chunk_tokens=16,
-                                                  backend=backend, config=SMALL)
+    loss, stats, logp, entropy = kernels.lm_head_objective(
+        hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg, temperature=0.8, chunk_tokens=16,
+        backend=backend, config=SMALL, with_entropy=True,
+        objective_fn=objective_fn_for(hidden.device, KernelConfig(backend=backend)))
     grads = torch.autograd.grad(3 * loss, (hidden, weight))
     want_loss, want_stats = objective(naive(hidden, weight, targets, 0.8)[0], logp_alpha, logp_k, logp_ref, adv,
                                       weights, cfg)
     want = torch.autograd.grad(3 * want_loss, (hidden, weight))
     torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logp, logp_now, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, naive(hidden, weight, targets, 0.8)[1].detach(), atol=1e-5, rtol=1e-5)
+    assert not entropy.requires_grad and not logp.requires_grad
     for key in want_stats:
         torch.testing.assert_close(stats[key], want_stats[key], atol=1e-4, rtol=1e-5, msg=key)
     assert want_stats["clip_low_sum"] + want_stats["clip_high_sum"] > 0
@@ -121,12 +124,45 @@ def test_lm_head_objective_matches_logprobs_then_objective(backend, loss_name):
 
 
 def test_lm_head_objective_backward_twice_is_refused():
-    from grpo.objective import ObjectiveConfig
+    from grpo.objective import ObjectiveConfig, objective_with_grad
 
     hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
     targets, zeros, ones = torch.randint(0, 30, (6,)), torch.zeros(6), torch.ones(6)
-    loss, _, _ = kernels.lm_head_objective(hidden, weight, targets, zeros, None, None, ones, ones,
-                                           ObjectiveConfig(loss="reinforce"))
+    loss, _, _, _ = kernels.lm_head_objective(hidden, weight, targets, zeros, None, None, ones, ones,
+                                              ObjectiveConfig(loss="reinforce"), objective_fn=objective_with_grad)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward twice"):
         loss.backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_weights_give_fp32_logits_at_low_temperature(backend):
+    """bf16 hidden and weight with Qwen-like logits (|z| up to ~22 per row) at the paper's T = 0.1.
+    The fused head's log-probs are within fp32 rounding of an fp64 reference computed from the same
+    bf16-valued inputs. The old path (bf16 logits, rounding step 0.125 at |z| 16-32, then / T) was
+    off by up to 0.395 nat on this very data (mean 0.019): enough to move pi/alpha by ~50%."""
+    torch.manual_seed(0)
+    n_tokens, hidden_size, vocab, temperature = 64, 256, 4096, 0.1
+    hidden = torch.randn(n_tokens, hidden_size).bfloat16()
+    weight = (torch.randn(vocab, hidden_size) * (6 / hidden_size ** 0.5)).bfloat16()
+    z = hidden.double() @ weight.double().t()
+    targets = torch.multinomial(torch.softmax(z / temperature, -1).float(), 1,
+                                generator=torch.Generator().manual_seed(1))[:, 0]
+    want = torch.log_softmax(z / temperature, -1).gather(1, targets[:, None])[:, 0]
+    logp, _ = kernels.lm_head_logprobs(hidden, weight, targets, temperature, chunk_tokens=24, backend=backend,
+                                       config=SMALL)
+    # fp32 rounding of z / T (|z / T| <= ~250): a few units in the last place of 250.
+    tol = 4 * torch.finfo(torch.float32).eps * float((z / temperature).abs().max())
+    assert (logp.double() - want).abs().max().item() <= tol
+    old = torch.log_softmax((hidden @ weight.t()).float() / temperature, -1).gather(1, targets[:, None])[:, 0]
+    assert (old.double() - want).abs().max().item() > 100 * tol  # the check tells the two paths apart
+
+
+def test_gemm_strategy_decision_table():
+    from kernels.lm_head import gemm_strategy
+
+    assert gemm_strategy("cuda", torch.float32) == gemm_strategy("cpu", torch.float32) == "native"
+    assert gemm_strategy("cuda", torch.bfloat16, mixed_gemm_available=True) == "out_dtype"
+    assert gemm_strategy("cuda", torch.float16, mixed_gemm_available=True) == "out_dtype"
+    assert gemm_strategy("cuda", torch.bfloat16, mixed_gemm_available=False) == "upcast"  # an older torch
+    assert gemm_strategy("cpu", torch.bfloat16, mixed_gemm_available=True) == "upcast"  # no CPU mm.dtype kernel

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels
-from grpo.objective import ObjectiveConfig, objective
+from grpo.objective import ObjectiveConfig, objective, objective_fn_for, objective_with_grad
 from kernels import KernelConfig
 from kernels.loss import STAT_KEYS
 
@@ -119,10 +119,17 @@ def test_bf16_logp_and_torch_backend_is_the_objective():
     assert grad.dtype == torch.bfloat16 and loss.dtype == torch.float32
     want_loss, want_stats = objective(x.detach().float(), logp_alpha, logp_k, None, adv, weights, cfg)
     torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
-    # backend="torch" (the CPU default) is grpo.objective.objective itself
-    loss_t, stats_t = kernels.grpo_objective(logp, logp_alpha, logp_k, None, adv, weights, cfg, backend="torch")
+    # On CPU (the torch backend) the trainer's objective is grpo.objective.objective itself, in the
+    # fused kernel's contract; the Triton op refuses a backend it is not.
+    assert objective_fn_for(torch.device("cpu"), KernelConfig()) is objective_with_grad
+    assert objective_fn_for(torch.device("cpu"), TRITON) is kernels.triton_objective
+    flat = [t.reshape(-1) for t in (logp, logp_alpha, logp_k, adv[:, None].expand(-1, 23), weights)]
+    loss_t, stats_t, grad_t = objective_with_grad(flat[0], flat[1], flat[2], None, flat[3], flat[4], cfg)
     want_t, want_stats_t = objective(logp, logp_alpha, logp_k, None, adv, weights, cfg)
-    assert loss_t.item() == want_t.item() and list(stats_t) == list(want_stats_t) == list(STAT_KEYS)
+    assert loss_t.item() == want_t.item() and list(want_stats_t) == list(STAT_KEYS)
+    assert stats_t.tolist() == [float(want_stats_t[k]) for k in STAT_KEYS]
+    with pytest.raises(ValueError, match="grpo_objective is the Triton kernel"):
+        kernels.grpo_objective(logp, logp_alpha, logp_k, None, adv, weights, cfg, backend="torch")
 
 
 def test_bad_inputs_same_messages_as_objective():

@@ -6,19 +6,21 @@ import math
 import pytest
 import torch
 
+from pathlib import Path
+
+from grpo.config import read_yaml
 from grpo.objective import (
-    PAPER_PRESETS,
     ObjectiveConfig,
-    bound_penalty,
     finalize_stats,
     group_advantages,
     local_denominators,
     merge_stats,
     objective,
     per_token_loss,
-    sequence_drift,
     token_weights,
 )
+
+PRESETS = sorted((Path(__file__).resolve().parent.parent / "configs" / "objectives").glob("*.yaml"))
 
 D = torch.float64
 L = math.log
@@ -40,15 +42,33 @@ def close(actual, expected, tol=1e-12):
     ("is_cap", 0.0), ("beta", -1.0), ("adv_eps", 0.0), ("adv_eps", 1.0), ("max_len_norm", 0), ("red_tau", 0.0),
 ])
 def test_config_rejects_bad_values_naming_the_field(field, value):
+    extra = {"loss": "rec_ring_nois"} if field.startswith("ring_") else {}  # margins of the ring loss only
     with pytest.raises(ValueError, match=f"^{field}: "):
-        ObjectiveConfig(**{field: value})
+        ObjectiveConfig(**{field: value}, **extra)
 
 
-@pytest.mark.parametrize("name", sorted(PAPER_PRESETS))
-def test_every_preset_is_reinforce_at_the_on_policy_first_step(name):
+def test_ring_margins_are_checked_for_the_ring_loss_only():
+    # Bug: plain GRPO refused eps_low=0.9 (ring_eps_low 0.6 not above it) and eps_high=2 (ring_eps_high 2.0).
+    assert ObjectiveConfig(loss="grpo", eps_low=0.9).eps_low == 0.9
+    assert ObjectiveConfig(loss="grpo", eps_high=2.0).eps_high == 2.0
+    with pytest.raises(ValueError, match="^ring_eps_low: "):
+        ObjectiveConfig(loss="rec_ring_nois", eps_low=0.9)
+    with pytest.raises(ValueError, match="^ring_eps_high: "):
+        ObjectiveConfig(loss="rec_ring_nois", eps_high=2.0)
+
+
+def test_presets_are_the_named_methods():
+    assert {p.stem for p in PRESETS} == {"grpo", "grpo_zero_var_mask", "dr_grpo", "dapo", "reinforce", "rec_oneside_is",
+                                         "rec_oneside_nois", "rec_twoside_is", "rec_ring_nois", "red_drop", "red_weight"}
+    dapo = ObjectiveConfig(**read_yaml(PRESETS[[p.stem for p in PRESETS].index("dapo")])["objective"])
+    assert (dapo.eps_low, dapo.eps_high, dapo.aggregation, dapo.count_masked) == (0.2, 0.28, "token_mean", False)
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_is_reinforce_at_the_on_policy_first_step(path):
     # The whole pipeline of each named method, selected by config alone. At pi = pi_k = alpha nothing is
     # clipped and every IS weight is 1, so all of them reduce to d loss/d logp = -A * weight (2509.24203).
-    cfg = ObjectiveConfig(**PAPER_PRESETS[name])
+    cfg = ObjectiveConfig(**read_yaml(path)["objective"])
     rewards = t([1, 0, 0, 0, 1, 1, 1, 1])  # G = 4: one mixed group, one zero-variance group
     adv, seq_weight, _ = group_advantages(rewards, 4, cfg, generator=torch.Generator().manual_seed(0))
     mask = torch.tensor([[1, 1, 1]] * 4 + [[1, 1, 0]] * 4, dtype=torch.bool)
@@ -506,16 +526,3 @@ def test_objective_stats_sums_merge_and_finalize():
     # approx + is_cap: per-token loss of the f_eps example times w_bar = 1, 1, 1.2, 0.5
     close(out["loss"], 0.25 * (-1.2 * 1 - 0.5 * 1 + 0.8 * 1.2 + 1.5 * 0.5))
     assert out["kl_mean"] == 0.0
-
-
-def test_sequence_drift_and_bound_penalty():
-    # each token has pi_k/alpha = 1.5; sequence of 2 tokens -> W = 2.25; padding ignored
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
-    logp_alpha = torch.zeros(2, 3, dtype=D)
-    logp_k = torch.full((2, 3), L(1.5), dtype=D)
-    drift = sequence_drift(logp_k, logp_alpha, mask)
-    close(drift["tv"], [0.5 * 1.25, 0.25])
-    close(drift["kl"], [1.25 - L(2.25), 0.5 - L(1.5)])
-    # one prompt with G = 2: TV(x) = (0.625 + 0.25) / 2 = 0.4375; penalty = 2 M TV + 2 TV
-    out = bound_penalty(drift["tv"], 2, bound_M=3.0)
-    close(out["bound_penalty"], 2 * 3.0 * 0.4375 + 2 * 0.4375)
