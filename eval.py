@@ -31,9 +31,12 @@ from typing import Optional
 
 import yaml
 
-from grpo.client import InferenceServer, InferenceServerError, ServerConfig
+from grpo.client import InferenceServerError
+from grpo.inference import InferenceServer, ServerConfig
+from grpo.layout import LayoutError, plan_layout, visible_gpus
 from grpo.config import ConfigError, apply_overrides, load_config, save_config
 from grpo.data import DataConfig, DataError, load_problems
+from grpo.models import ModelPathError, resolve_model_path
 from grpo.evaluation import EvalConfig, evaluate
 from grpo.rewards import RewardConfig, RewardScorer
 
@@ -74,8 +77,13 @@ def resolve_model_dir(model: str) -> Path:
     path = Path(model)
     if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
         path = REPO_ROOT / path
-    if not path.exists():
-        raise EvalError(f"model: {model} does not exist (give an HF model directory or a run directory)")
+    if not path.exists():  # a hub id (through the HF cache / hub), or one line saying what to pass
+        try:
+            return Path(resolve_model_path(model))
+        except ModelPathError as e:
+            raise EvalError(f"model: {model} does not exist and is no usable hub id "
+                            f"({str(e).split('; ', 1)[0].removeprefix('model.path: ')}); give an HF model "
+                            f"directory or a run directory") from None
     if not path.is_dir():
         raise EvalError(f"model: {model} is a file; expected an HF model directory or a run directory")
     if (path / "config.json").is_file():
@@ -137,14 +145,21 @@ def run(cfg: EvalRunConfig) -> dict:
           f"at T={cfg.eval.temperature}, {cfg.eval.max_tokens} tokens -> {out_dir}", file=sys.stderr)
     with RewardScorer(cfg.reward) as scorer:
         try:
-            server = InferenceServer.launch(model_dir, cfg.server, out_dir)
+            layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.url is not None,
+                                 rank=0, local_rank=0, local_world_size=0, node_rank=0,
+                                 memory_fraction=cfg.server.gpu_memory_utilization)
+        except LayoutError as e:
+            raise EvalError(str(e)) from None
+        try:
+            server = InferenceServer.launch(model_dir, cfg.server, out_dir, gpu=layout.server_gpu,
+                                            gpu_memory_utilization=layout.server_memory_fraction)
         except InferenceServerError as e:
             log = out_dir / "server" / "server.log"
             raise EvalError(f"the inference server did not start: {str(e).splitlines()[0]}"
                             + (f" (full log: {log})" if log.is_file() else "")) from None
         with server:
             print(f"eval: server ready at {server.url} after {time.monotonic() - t_start:.0f} s", file=sys.stderr)
-            summary, records = evaluate(server.client, tokenizer, problems, cfg.data, cfg.eval, scorer, progress=True)
+            summary, records = evaluate(server, tokenizer, problems, cfg.data, cfg.eval, scorer, progress=True)
     summary = {
         "model": str(model_dir), "dataset": cfg.data.dataset, "k": cfg.eval.k, "temperature": cfg.eval.temperature,
         "top_p": cfg.eval.top_p, "max_tokens": cfg.eval.max_tokens, "server_seed": cfg.server.seed,

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grpo.client import InferenceServer, ServerConfig  # noqa: E402
+from grpo.inference import InferenceServer, ServerConfig  # noqa: E402
 from grpo.models import build_smollm2_dir, load_model  # noqa: E402
 from tests.tiny_models import make_tiny_model_dir  # noqa: E402
 from grpo.weight_sync import prune_weights, write_weights  # noqa: E402

@@ -44,6 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from grpo.fsutil import fsync_dir, fsync_file, hash_file, replace_dir, write_durable
+from grpo.models import LM_HEAD_KEY, drop_tied_lm_head
+
 MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
@@ -124,50 +127,6 @@ def _run_on_rank0(fn, what: str):
 # files: fsync, hashing, manifest
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename a finished tmp directory to `final`, moving an existing `final` aside first (a
-    directory cannot be renamed over a non-empty one)."""
-    if final.exists():
-        old = final.with_name(final.name + ".old")
-        _rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        _rmtree(old)
-    else:
-        os.replace(tmp, final)
-
-
-def _fsync_dir(path: Path) -> None:
-    # Makes renames and new entries durable; directories cannot be opened for fsync on Windows.
-    try:
-        _fsync_file(path)
-    except OSError:
-        pass
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _write_durable(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _build_manifest(ckpt: Path, step: int, has_optimizer: bool, has_ref_model: bool) -> dict:
     files = {}
     for p in sorted(ckpt.rglob("*")):
@@ -175,11 +134,11 @@ def _build_manifest(ckpt: Path, step: int, has_optimizer: bool, has_ref_model: b
             rel = p.relative_to(ckpt).as_posix()
             if rel in (MANIFEST, COMPLETE):
                 continue
-            _fsync_file(p)
+            fsync_file(p)
             size = p.stat().st_size
             entry: dict[str, Any] = {"size": size}
             if size <= HASH_MAX_BYTES:
-                entry["sha256"] = _sha256(p)
+                entry["sha256"] = hash_file(p, "sha256")
             files[rel] = entry
     return {
         "format": FORMAT_VERSION,
@@ -218,7 +177,7 @@ def verify_checkpoint(path: Path) -> Optional[str]:
         size = p.stat().st_size
         if size != entry["size"]:
             return f"{rel} has {size} bytes, the manifest says {entry['size']}"
-        if "sha256" in entry and _sha256(p) != entry["sha256"]:
+        if "sha256" in entry and hash_file(p, "sha256") != entry["sha256"]:
             return f"{rel} does not match its sha256 in the manifest"
     return None
 
@@ -348,17 +307,16 @@ class Checkpointer:
         rng_tensors, rng_meta = _rng_state()
         rng_path = tmp / RNG_DIR / f"rank_{_rank()}.safetensors"
         save_file(rng_tensors, str(rng_path), metadata=rng_meta)
-        _fsync_file(rng_path)
+        fsync_file(rng_path)
         _barrier()
 
         def finalize():
-            _write_durable(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1) + "\n")
+            write_durable(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1) + "\n")
             manifest = json.dumps(_build_manifest(tmp, step, optimizer is not None, ref_model is not None), indent=1) + "\n"
-            _write_durable(tmp / MANIFEST, manifest)
-            _write_durable(tmp / COMPLETE, hashlib.sha256(manifest.encode()).hexdigest() + "\n")
-            _fsync_dir(tmp)
-            _replace_dir(tmp, final)  # the same step saved again (e.g. after a resume) replaces it
-            _fsync_dir(self.dir)
+            write_durable(tmp / MANIFEST, manifest)
+            write_durable(tmp / COMPLETE, hashlib.sha256(manifest.encode()).hexdigest() + "\n")
+            fsync_dir(tmp)
+            replace_dir(tmp, final)  # the same step saved again (e.g. after a resume) replaces it
             self._prune()
 
         _run_on_rank0(finalize, f"checkpoint save: finalizing {final}")
@@ -449,16 +407,16 @@ def _write_hf_dir(full_sd: dict, tokenizer, src: Path, out_dir: Path, dtype: tor
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(src))
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in full_sd.items()}
-    if getattr(text_config, "tie_word_embeddings", False) and "lm_head.weight" in tensors:
+    untied = drop_tied_lm_head(tensors, json.loads((src / "config.json").read_text()))
+    if len(untied) < len(tensors):
         # The full state dict returns tied weights as two copies; HF checkpoints keep only the
         # embedding (from_pretrained re-ties). Unequal copies mean sharding broke the tie.
         embed_key = next((k for k in tensors if k.endswith("embed_tokens.weight")), None)
-        if embed_key is None or not torch.equal(tensors[embed_key], tensors["lm_head.weight"]):
+        if embed_key is None or not torch.equal(tensors[embed_key], tensors[LM_HEAD_KEY]):
             raise CheckpointError("export_hf: config ties word embeddings but lm_head.weight differs from "
                                   "embed_tokens.weight (was the tie broken during training?)")
-        del tensors["lm_head.weight"]
+    tensors = untied
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     _rmtree(tmp)
@@ -495,10 +453,9 @@ def _write_hf_dir(full_sd: dict, tokenizer, src: Path, out_dir: Path, dtype: tor
                     "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")):
                 shutil.copy2(p, tmp / p.name)
     for p in tmp.iterdir():
-        _fsync_file(p)
-    _fsync_dir(tmp)
-    _replace_dir(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
+        fsync_file(p)
+    fsync_dir(tmp)
+    replace_dir(tmp, out_dir)
 
 
 def export_hf(model, tokenizer, src_model_dir, out_dir, dtype=torch.bfloat16) -> Path:

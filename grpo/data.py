@@ -5,9 +5,9 @@ A problem is raw question text plus a gold answer string that math-verify can pa
 row raises an error naming the file and line, or, with `on_bad_row: skip`, is skipped and counted
 (`load_problem_set(...).skipped`, and a warning).
 
-The sampler gives every rank the same global batch order (a permutation of the problems seeded by
-`seed` and the epoch); each rank takes its contiguous slice with `shard`. Its cursor is two plain
-ints (epoch, position) so a checkpoint can resume the exact stream.
+The sampler gives the global batch order (a permutation of the problems seeded by `seed` and the
+epoch); rank 0 samples and scores the whole batch, and the trainer shards the rollout. Its cursor
+is two plain ints (epoch, position) so a checkpoint can resume the exact stream.
 """
 from __future__ import annotations
 
@@ -99,6 +99,10 @@ class DataError(ValueError):
     """A malformed data row; the message names the file and the line (JSONL) or row (JSON, Parquet)."""
 
 
+class DataFileNotFound(DataError, FileNotFoundError):
+    """The dataset file does not exist (a DataError, so callers report it like a bad row)."""
+
+
 @dataclass
 class ProblemSet:
     problems: list[Problem]
@@ -168,7 +172,7 @@ def load_problem_set(cfg: DataConfig) -> ProblemSet:
         return ProblemSet(ArithmeticTask(cfg.arithmetic).eval_problems()[:cfg.limit], 0, [])
     path = resolve_data_path(cfg)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset {cfg.dataset!r}: file not found: {path}")
+        raise DataFileNotFound(f"dataset {cfg.dataset!r}: file not found: {path}")
     name = cfg.dataset if cfg.dataset in NAMED_DATASETS else str(path)
     fmt = cfg.answer_format
     if fmt == "auto":
@@ -318,18 +322,8 @@ def encode_prompt(tokenizer, prompt_text: str) -> list[int]:
 # Sampling
 
 
-def shard(batch: list, rank: int, world_size: int) -> list:
-    """Rank's contiguous slice of a global batch; the slices of all ranks partition the batch."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
-    if len(batch) % world_size:
-        raise ValueError(f"batch of {len(batch)} does not split evenly over {world_size} ranks")
-    per_rank = len(batch) // world_size
-    return batch[rank * per_rank:(rank + 1) * per_rank]
-
-
 class PromptSampler:
-    """Global batches in a seeded order, identical on every rank; resumable from two ints.
+    """Global batches in a seeded order; resumable from two ints.
 
     Over a list: each epoch is a fresh permutation seeded by (seed, epoch); a batch that reaches
     the end of an epoch continues into the next. Over an ArithmeticTask: the unlimited training
@@ -337,17 +331,12 @@ class PromptSampler:
     """
 
     def __init__(self, source: Union[list[Problem], ArithmeticTask], batch_size: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True):
+                 shuffle: bool = True):
         if batch_size < 1:
             raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        if batch_size % world_size:
-            raise ValueError(f"batch_size: must be a multiple of world_size ({world_size}), got {batch_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
         if isinstance(source, list) and not source:
             raise ValueError("source: no problems to sample from")
-        self.source, self.batch_size, self.seed = source, batch_size, seed
-        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+        self.source, self.batch_size, self.seed, self.shuffle = source, batch_size, seed, shuffle
         self.epoch, self.position = 0, 0
         self._order: Optional[list[int]] = None  # permutation of the current epoch
 
@@ -380,12 +369,8 @@ class PromptSampler:
         return problem
 
     def next_batch(self) -> list[Problem]:
-        """The next global batch (batch_size problems), the same on every rank."""
+        """The next global batch (batch_size problems)."""
         return [self._next_problem() for _ in range(self.batch_size)]
-
-    def next_local_batch(self) -> list[Problem]:
-        """This rank's slice of the next global batch."""
-        return shard(self.next_batch(), self.rank, self.world_size)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
@@ -399,8 +384,7 @@ class PromptSampler:
         self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
 
 
-def make_sampler(cfg: DataConfig, batch_size: int, seed: int = 0, rank: int = 0,
-                 world_size: int = 1) -> PromptSampler:
+def make_sampler(cfg: DataConfig, batch_size: int, seed: int = 0) -> PromptSampler:
     """Training sampler for cfg.dataset (the unlimited stream for "arithmetic")."""
     source = ArithmeticTask(cfg.arithmetic) if cfg.dataset == "arithmetic" else load_problems(cfg)
-    return PromptSampler(source, batch_size, seed=seed, rank=rank, world_size=world_size)
+    return PromptSampler(source, batch_size, seed=seed)

@@ -5,7 +5,7 @@
 - `maj_at_k(answers, correct, k)`: majority vote over the first k samples' extracted answers.
 - `summarize(records, pass_k)`: one summary dict computed from the per-problem records alone, so a
   summary can always be recomputed from the JSONL that `eval.py` writes.
-- `evaluate(client, tokenizer, problems, data_cfg, eval_cfg, scorer)`: the loop that both
+- `evaluate(server, tokenizer, problems, data_cfg, eval_cfg, scorer)`: the loop that both
   `eval.py` and the trainer's periodic evaluation call: prompts -> server -> scorer -> summary.
 
 The paper reports "Pass@1 using 50 samples (frequency of success given 50 generations for each
@@ -186,11 +186,12 @@ def score_completions(problems: Sequence, prompt_texts: Sequence[str], completio
     return records
 
 
-def evaluate(client, tokenizer, problems: Sequence, data_cfg, eval_cfg: EvalConfig, scorer,
+def evaluate(server, tokenizer, problems: Sequence, data_cfg, eval_cfg: EvalConfig, scorer,
              progress: bool = False) -> tuple[dict, list[dict]]:
     """Sample eval_cfg.k completions for each selected problem from the server, score, summarise.
 
-    client: grpo.client.InferenceClient (the trainer's, so eval sees the weights just pushed);
+    server: grpo.inference.InferenceServer (the trainer's, so eval sees the weights just pushed; any
+    object with its `generate`);
     tokenizer: the policy's; problems: grpo.data.Problem list (a held-out set); data_cfg: the
     DataConfig whose system prompt and instruction build the prompts (as in training);
     scorer: grpo.rewards.RewardScorer. Returns (summary, per-problem records); the summary holds
@@ -216,7 +217,7 @@ def evaluate(client, tokenizer, problems: Sequence, data_cfg, eval_cfg: EvalConf
             batch = problems[start:start + eval_cfg.batch_size]
             prompt_texts = [build_prompt(tokenizer, p, data_cfg) for p in batch]
             prompt_ids = [encode_prompt(tokenizer, text) for text in prompt_texts]
-            result = client.generate(prompt_ids, n=eval_cfg.k, max_tokens=eval_cfg.max_tokens,
+            result = server.generate(prompt_ids, n=eval_cfg.k, max_tokens=eval_cfg.max_tokens,
                                      temperature=eval_cfg.temperature, top_p=eval_cfg.top_p)
             versions.add(result.weights_version)
             records.extend(score_completions(batch, prompt_texts, result.completions, scorer))

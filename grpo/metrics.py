@@ -1,7 +1,9 @@
 """Run logging: metrics.jsonl (the record scripts/plot.py reads), Weights & Biases, a progress bar.
 
 Rank 0 does all I/O; every other rank gets a logger whose methods do nothing, so the training
-loop calls the same code on every rank. One `log` call per optimizer step, with flat keys
+loop calls the same code on every rank. This module is the one place that names logged keys:
+`train_row` and `eval_row` build the rows from the components' statistics. One `log` call per
+optimizer step, with flat keys
 (`step`, `stage`, `iteration`, `weights_version`, `reward_mean`, `kl`, ..., `eval/pass@1`):
 - metrics.jsonl gets them exactly as given, one JSON object per line, flushed at once;
 - W&B gets them under a group prefix (KEY_GROUPS) so the default dashboard has one section per
@@ -33,12 +35,15 @@ WANDB_ID_FILE = "wandb_run_id"
 KEY_GROUPS: dict[str, str] = {
     # rollout/: the sampled batch (rewards, which groups carry signal, lengths)
     "reward_*": "rollout",
+    "group_std_*": "rollout",
     "pass_rate": "rollout",
     "masked_frac": "rollout",
     "zero_var_frac": "rollout",
     "completion_len_*": "rollout",
     "prompt_len_*": "rollout",
     "truncated_frac": "rollout",
+    "red_*": "rollout",
+    "seq_weight_*": "rollout",
     # train/: the optimizer step (objective terms, clipping, importance weights, gradients)
     "loss": "train",
     "loss_*": "train",
@@ -316,3 +321,48 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The logged rows: the one place where logged names are chosen
+
+
+# Keys of the rollout's statistics (grpo.rollout.sample_rollout, grpo.objective.group_advantages),
+# logged as they are named there.
+ROLLOUT_KEYS = ("reward_mean", "reward_std", "group_std_mean", "pass_rate", "masked_frac", "zero_var_frac",
+                "red_drop_frac", "seq_weight_mean", "completion_len_mean", "truncated_frac", "reward_timeouts",
+                "bound_M", "bound_M_nonzero", "time_generate", "time_reward")
+# Logged name <- grpo.objective.finalize_stats name. kl is KL(pi || pi_ref) of eq. 7; tv_pik_alpha and
+# kl_pik_alpha are the drift between the trainer's pi_k and the sampler alpha (Theorem 1's terms).
+TRAIN_KEYS = {
+    "loss": "loss", "clip_frac": "clip_frac", "clip_low_frac": "clip_low_frac", "clip_high_frac": "clip_high_frac",
+    "kl": "kl_mean", "ratio_mean": "ratio_mean", "ratio_std": "ratio_std", "ratio_min": "ratio_min",
+    "ratio_max": "ratio_max", "is_weight_mean": "is_weight_mean", "is_weight_std": "is_weight_std",
+    "is_weight_min": "is_weight_min", "is_weight_max": "is_weight_max", "is_capped_frac": "is_capped_frac",
+    "tv_pik_alpha": "tv_mean", "kl_pik_alpha": "kl_pik_alpha_mean",
+}
+
+
+def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_stats: dict, train_stats: dict, *,
+              entropy: float, grad_norm: float, lr: float, time_train: float, time_sync: float, sync_bytes: float,
+              iteration_seconds: float) -> dict:
+    """The row of one optimizer step. progress: grpo.progress.Progress after the step;
+    train_stats: grpo.objective.finalize_stats of the step's objective; entropy: of pi_k on the
+    batch (per token); time_sync / sync_bytes: the push before this iteration (0 after its first
+    step); iteration_seconds: wall time since the iteration began (for tokens_per_s)."""
+    batch_tokens = rollout_stats["prompt_tokens"] + rollout_stats["completion_tokens"]
+    return {
+        "step": progress.step, "stage": stage, "iteration": iteration, "sgd_iteration": sgd_iteration,
+        "weights_version": progress.weights_version,
+        **{key: rollout_stats[key] for key in ROLLOUT_KEYS},
+        **{key: train_stats[name] for key, name in TRAIN_KEYS.items()},
+        "entropy": entropy, "grad_norm": grad_norm, "lr": lr, "nan_skips": progress.nan_skips,
+        "time_train": time_train, "time_sync": time_sync, "sync_bytes": sync_bytes,
+        "tokens_per_s": batch_tokens / max(iteration_seconds, 1e-9),
+    }
+
+
+def eval_row(step: int, summary: dict) -> dict:
+    """The row of a held-out evaluation (grpo.evaluation.evaluate's summary): its numbers under eval/."""
+    return {"step": step, **{f"eval/{k}": v for k, v in summary.items()
+                             if isinstance(v, (int, float))}}

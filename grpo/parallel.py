@@ -1,18 +1,41 @@
 """Distributed set-up and FSDP2 sharding, applied to a plain HF model from outside.
 
-torchrun sets RANK/WORLD_SIZE/MASTER_ADDR; a plain `python train.py` runs as a world of one. gloo
-on CPU, NCCL on GPU. Multi-node: the same code under torchrun's rendezvous, e.g.
-`torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py ...`,
-with the inference server reached over HTTP (server.url).
+torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR; a plain `python train.py` runs as a world of
+one. Which device a rank trains on is grpo.layout's decision; this module makes the process group
+for it. Multi-node: the same code under torchrun's rendezvous, e.g.
+`torchrun --nnodes=2 --nproc_per_node=7 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py ...`.
+
+Collectives. On GPU the process group is "cpu:gloo,cuda:nccl": NCCL moves the model's CUDA
+tensors (FSDP2's all-gathers and reduce-scatters), gloo the small CPU tensors of the loop's own
+collectives (rollout broadcast, denominators, flags), so no helper has to know the group's device.
+The helpers run their collective whenever a group exists, even with one rank, so a 1-rank run
+takes the same path as 8 ranks (NCCL refuses a CPU tensor on 1 rank as on 8).
+
+Time-outs. Ranks 1..n wait in a collective while rank 0 starts vLLM (minutes of compilation and
+CUDA graphs), evaluates (GSM8K test x K=50) and samples; NCCL's default of 10 minutes would abort
+the run, so the group's time-out is `parallel.timeout_s` (default 4 hours).
 """
 from __future__ import annotations
 
+import datetime
+import json
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+@dataclass
+class ParallelConfig:
+    """The `parallel:` section."""
+
+    timeout_s: float = 4 * 3600.0  # a collective may wait this long (rank 0 starting vLLM, evaluating, sampling)
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
 
 
 @dataclass
@@ -27,7 +50,37 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed() -> DistInfo:
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What torchrun tells this process (defaults: a world of one)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+
+
+def launch_env(env: dict | None = None) -> LaunchEnv:
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", "1"))
+    return LaunchEnv(rank=int(env.get("RANK", "0")), world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")),
+                     local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+                     node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", "0"))))
+
+
+def process_group_backend(device_type: str) -> str:
+    """The one decision of which backend carries which tensors: gloo for CPU tensors always (the
+    loop's small collectives), NCCL for CUDA tensors on GPU (the model's)."""
+    if device_type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    if device_type == "cpu":
+        return "gloo"
+    raise ValueError(f"device: no process group backend for device type {device_type!r}")
+
+
+def init_distributed(device: torch.device | str = "cpu", timeout_s: float = ParallelConfig.timeout_s) -> DistInfo:
+    """The default process group for `device` (this rank's, from grpo.layout) with the time-out."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -38,17 +91,14 @@ def init_distributed() -> DistInfo:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    device = torch.device(device)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+        dist.init_process_group(backend=process_group_backend(device.type),
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]), device)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -83,37 +133,61 @@ def all_reduce_sum(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
     if not keys:
         return {}
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized():
         dist.all_reduce(t)
     return dict(zip(keys, t.tolist()))
 
 
 def all_reduce_max(value: int | float) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
 def broadcast_json(obj, src: int = 0):
-    """Send a JSON-able object from `src` to every rank (rollouts, decisions)."""
-    # JSON bytes in a tensor rather than broadcast_object_list: no pickle crosses process borders.
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    import json
+    """Send a JSON-able object from `src` to every rank (rollouts, decisions).
 
+    JSON bytes in a uint8 tensor rather than broadcast_object_list: no pickle crosses process
+    borders. Decoded from the tensor's memory (numpy view), never through a Python list of ints,
+    which costs seconds and gigabytes for a DeepScaleR batch of tens of MB."""
+    if not dist.is_initialized():
+        return obj
     payload = json.dumps(obj).encode() if dist.get_rank() == src else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
     dist.broadcast(size, src=src)
-    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(buf, src=src)
-    return json.loads(bytes(buf.tolist()) if dist.get_rank() != src else payload)
+    if dist.get_rank() == src:
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=src)
+    else:
+        buf = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, src=src)
+        payload = buf.numpy().tobytes()
+    return json.loads(payload)  # the source decodes too: every rank holds the same plain object
 
 
-def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model on rank 0's CPU (other ranks get {}), for weight pushes and exports.
+def gather_full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The whole model on rank 0's CPU (other ranks get {}), for weight pushes.
 
-    Collective. Tied embeddings come back as separate tensors, so safetensors can save them."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    Collective. One tensor at a time: each rank casts its shard to `dtype` ON ITS DEVICE first (a
+    bf16 push gathers half the bytes of the fp32 master weights), the shards are all-gathered, and
+    rank 0 copies the full tensor to CPU. Tied parameters (lm_head = embed_tokens) are gathered
+    once and appear under both names."""
+    from torch.distributed.tensor import DTensor
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    first_name: dict[int, str] = {}  # every rank skips the same tied duplicates (a skipped gather would hang)
+    for name, param in model.state_dict(keep_vars=True).items():
+        if id(param) in first_name:
+            if is_main:
+                out[name] = out[first_name[id(param)]]
+            continue
+        first_name[id(param)] = name
+        local = param.detach()
+        if dtype is not None and local.is_floating_point():
+            local = local.to(dtype)
+        full = local.full_tensor() if isinstance(local, DTensor) else local
+        if is_main:
+            out[name] = full.cpu()
+        del full
+    return out

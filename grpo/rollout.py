@@ -1,15 +1,23 @@
-"""Rollouts: sampled completions as plain records, and their packing into padded micro-batches.
+"""Rollouts: G completions per prompt sampled from alpha, scored, with group advantages.
+
+    rollout = sample_rollout(server, problems, tokenizer, cfg, scorer, seed)   # rank 0
+    rollout = Rollout.from_json(broadcast_json(rollout.to_json()))              # every rank
+    mine = shard_samples(rollout.samples, rank, world_size)
 
 A `Sample` is JSON-able, so rank 0 (which talks to the inference server and scores) can broadcast
-the batch to every rank without pickle. Each rank then packs its share into micro-batches of at
-most `token_budget` padded tokens; every rank runs the same number of micro-batches, because each
-forward of an FSDP2 model is a collective.
+the batch to every rank without pickle. `seed` fixes the server's sampling and RED-Drop's choices,
+so a batch is a function of (weights version, prompts, seed): a resumed run repeats exactly what
+the uninterrupted run sampled.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 
 import torch
+
+from grpo import objective as O
+from grpo.data import build_prompt, encode_prompt
 
 
 @dataclass
@@ -28,77 +36,68 @@ class Sample:
         return asdict(self)
 
 
+@dataclass
+class Rollout:
+    samples: list[Sample]  # the global batch: B prompts x G completions, a group's samples adjacent
+    stats: dict[str, float]  # rewards, advantages (group_advantages' stats), lengths, seconds
+    table: list[dict] = field(default_factory=list)  # a few (prompt, completion, reward, gold) rows to log
+
+    def to_json(self) -> dict:
+        return {"samples": [s.to_json() for s in self.samples], "stats": self.stats, "table": self.table}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Rollout":
+        return cls([Sample(**s) for s in obj["samples"]], obj["stats"], obj["table"])
+
+
+def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected_version: int) -> Rollout:
+    """G completions per prompt from the server's policy alpha (with alpha's log-probs), rewards,
+    advantages (eq. 2) and weights (eq. 8 mask, RED). cfg is the TrainConfig (grpo, data,
+    objective sections); server is a grpo.inference.InferenceServer that must be serving weights
+    version `expected_version` (alpha): samples from any other policy would make every logged
+    off-policy quantity wrong, so a mismatch stops the run."""
+    G = cfg.grpo.G
+    prompt_ids = [encode_prompt(tokenizer, build_prompt(tokenizer, p, cfg.data)) for p in problems]
+    t0 = time.time()
+    result = server.generate(prompt_ids, n=G, max_tokens=cfg.grpo.max_new_tokens,
+                             temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, seed=seed)
+    t_generate = time.time() - t0
+    if result.weights_version != expected_version:
+        raise RuntimeError(f"the server sampled with weights version {result.weights_version}, the trainer "
+                           f"pushed version {expected_version} as alpha")
+    completions = [c for per_prompt in result.completions for c in per_prompt]
+    golds = [p.answer for p in problems for _ in range(G)]
+    t0 = time.time()
+    rewards, reward_info = scorer.score([c.text for c in completions], golds)
+    t_reward = time.time() - t0
+    correct = reward_info.get("correct", rewards)
+    adv, seq_weight, adv_stats = O.group_advantages(torch.tensor(rewards, dtype=torch.float64), G, cfg.objective,
+                                                    generator=torch.Generator().manual_seed(seed))
+    samples = [
+        Sample(group=j // G, prompt_ids=prompt_ids[j // G], completion_ids=list(c.token_ids),
+               logp_alpha=[float(x) for x in c.logprobs], truncated=c.finish_reason == "length",
+               reward=float(rewards[j]), correct=float(correct[j]), adv=float(adv[j]), seq_weight=float(seq_weight[j]))
+        for j, c in enumerate(completions)
+    ]
+    lengths = [len(s.completion_ids) for s in samples]
+    stats = {
+        **adv_stats,
+        "pass_rate": sum(s.correct for s in samples) / len(samples),
+        "completion_len_mean": sum(lengths) / len(lengths),
+        "truncated_frac": sum(s.truncated for s in samples) / len(samples),
+        "reward_timeouts": float(reward_info.get("timeouts", 0)),
+        "time_generate": t_generate,
+        "time_reward": t_reward,
+        "prompt_tokens": float(sum(len(p) for p in prompt_ids) * G),
+        "completion_tokens": float(sum(lengths)),
+    }
+    table = [{"prompt": problems[s.group].prompt, "completion": c.text, "reward": s.reward,
+              "gold": problems[s.group].answer}
+             for s, c in list(zip(samples, completions))[::G][:8]]
+    return Rollout(samples, stats, table)
+
+
 def shard_samples(samples: list[Sample], rank: int, world_size: int) -> list[Sample]:
     """This rank's contiguous share, whole groups only (the batch of prompts divides by world size)."""
     per_rank = len(samples) // world_size
     return samples[rank * per_rank:(rank + 1) * per_rank]
-
-
-def plan_micro_batches(samples: list[Sample], token_budget: int, num_micro: int | None = None) -> list[list[int]]:
-    """Split sample indices (in order) into micro-batches of <= token_budget padded tokens.
-
-    Returns the index lists; with `num_micro` given (the max over ranks), splits into exactly that
-    many near-equal contiguous chunks instead, so that all ranks step in lockstep.
-    """
-    if num_micro is not None:
-        n = len(samples)
-        num_micro = min(num_micro, n)
-        bounds = [round(j * n / num_micro) for j in range(num_micro + 1)]
-        return [list(range(bounds[j], bounds[j + 1])) for j in range(num_micro)]
-    batches, current, longest = [], [], 0
-    for idx, s in enumerate(samples):
-        length = len(s.prompt_ids) + len(s.completion_ids)
-        if current and max(longest, length) * (len(current) + 1) > token_budget:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(idx)
-        longest = max(longest, length)
-    if current:
-        batches.append(current)
-    return batches
-
-
-@dataclass
-class MicroBatch:
-    input_ids: torch.Tensor  # [B, L] prompt + completion, right-padded
-    completion_index: torch.Tensor  # [N] flat positions (b*L + t) that predict a completion token
-    completion_tokens: torch.Tensor  # [N] the completion tokens, row-major over the batch
-    completion_mask: torch.Tensor  # [B, C] 1 for real completion tokens (C = longest completion)
-    logp_alpha: torch.Tensor  # [N]
-    adv: torch.Tensor  # [B]
-    seq_weight: torch.Tensor  # [B]
-    truncated: torch.Tensor  # [B] bool
-    seq_of_token: torch.Tensor  # [N] row of each flat token
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.completion_tokens.numel())
-
-
-def collate(samples: list[Sample], pad_id: int, device: torch.device) -> MicroBatch:
-    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-    longest, longest_c = max(lengths), max(max(len(s.completion_ids) for s in samples), 1)
-    input_ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(samples), longest_c, dtype=torch.float32)
-    index, tokens, logp_alpha, rows = [], [], [], []
-    for b, s in enumerate(samples):
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        input_ids[b, :p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
-        mask[b, :c] = 1.0
-        # The hidden state at position t predicts token t+1: completion token j sits at p+j.
-        index.extend(b * longest + p - 1 + j for j in range(c))
-        tokens.extend(s.completion_ids)
-        logp_alpha.extend(s.logp_alpha)
-        rows.extend([b] * c)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return MicroBatch(
-        input_ids=input_ids.to(device),
-        completion_index=as_long(index),
-        completion_tokens=as_long(tokens),
-        completion_mask=mask.to(device),
-        logp_alpha=torch.tensor(logp_alpha, dtype=torch.float32, device=device),
-        adv=torch.tensor([s.adv for s in samples], dtype=torch.float32, device=device),
-        seq_weight=torch.tensor([s.seq_weight for s in samples], dtype=torch.float32, device=device),
-        truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool, device=device),
-        seq_of_token=as_long(rows),
-    )

@@ -238,9 +238,12 @@ class WeightsState:
         self.version, self.step, self.serving_dir = 0, 0, model_dir
         self.broken: Optional[str] = None  # set if a rollback failed; health then says 503
         self.served_digest: Optional[str] = None  # lets a retried upload of the served version succeed
-        config = json.loads((model_dir / "config.json").read_text())
-        self.tied = bool(config.get("tie_word_embeddings", False))
+        from grpo.models import LM_HEAD_KEY, ties_word_embeddings
+
         self.expected = _expected_tensors(model_dir)
+        # A tied lm_head may be pushed or not (vLLM rebuilds it from the embedding).
+        tied = ties_word_embeddings(json.loads((model_dir / "config.json").read_text()))
+        self.optional = {LM_HEAD_KEY} if tied else set()
 
     def check_tensors(self, manifest: dict[str, Any]) -> None:
         """Pushed tensors must be exactly the served model's (names, shapes): no partial or foreign push."""
@@ -253,9 +256,8 @@ class WeightsState:
             if entry["name"].endswith(".safetensors"):
                 for name, info in read_safetensors_header(Path(manifest["path"]) / entry["name"]).items():
                     pushed[name] = list(info["shape"])
-        optional = {"lm_head.weight"} if self.tied else set()
-        missing = sorted(set(self.expected) - set(pushed) - optional)
-        unknown = sorted(set(pushed) - set(self.expected) - optional)
+        missing = sorted(set(self.expected) - set(pushed) - self.optional)
+        unknown = sorted(set(pushed) - set(self.expected) - self.optional)
         if missing or unknown:
             raise WeightPushError(f"tensor names differ from the served model: missing {missing[:3]}, unknown {unknown[:3]}")
         for name, shape in pushed.items():
@@ -336,7 +338,9 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse
 
-    from grpo.weight_sync import WeightPushError, check_weights_dir, new_hasher, prune_weights, weights_dir_name
+    from grpo.fsutil import HashError, new_hasher
+    from grpo.weight_sync import (MANIFEST_FORMAT, MANIFEST_NAME, WEIGHTS_FILE, WeightPushError, check_weights_dir,
+                                  prune_weights, weights_dir_name)
 
     router = APIRouter()
     seeded_lock = asyncio.Lock()  # one seeded batch at a time: reseeding is engine-global
@@ -452,7 +456,7 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
         """The safetensors file in the body; written under the root (hashed as it arrives), then loaded."""
         try:
             hasher = new_hasher(hash)
-        except WeightPushError as e:
+        except HashError as e:
             return error(400, str(e))
         length = request.headers.get("content-length")
         if length is None or not length.isdigit():
@@ -468,7 +472,7 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
         tmp.mkdir(mode=0o700, parents=True)
         try:
             received = 0
-            fd = os.open(tmp / "model.safetensors", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(tmp / WEIGHTS_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 async for chunk in request.stream():
                     hasher.update(chunk)
@@ -484,9 +488,9 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
             for name in ("config.json", "generation_config.json"):
                 if (state.model_dir / name).is_file():
                     shutil.copyfile(state.model_dir / name, tmp / name)
-            manifest = {"format": "grpo-weights/1", "version": version, "step": step, "hash": hash,
-                        "files": [{"name": "model.safetensors", "bytes": received, hash: digest}]}
-            (tmp / "manifest.json").write_text(json.dumps(manifest) + "\n")
+            manifest = {"format": MANIFEST_FORMAT, "version": version, "step": step, "hash": hash,
+                        "files": [{"name": WEIGHTS_FILE, "bytes": received, hash: digest}]}
+            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest) + "\n")
             os.rename(tmp, final)
             manifest = check_weights_dir(final, state.root)
             state.check_tensors(manifest)

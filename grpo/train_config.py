@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from grpo.checkpoint import CheckpointConfig
-from grpo.client import ServerConfig
 from grpo.data import DataConfig
 from grpo.evaluation import EvalConfig
+from grpo.inference import ServerConfig
 from grpo.metrics import LogConfig
 from grpo.objective import ObjectiveConfig
+from grpo.parallel import ParallelConfig
 from grpo.rewards import RewardConfig
 from kernels import KernelConfig
 
@@ -88,6 +89,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

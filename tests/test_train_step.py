@@ -17,10 +17,10 @@ OVERRIDES = ["grpo.batch_prompts=4", "grpo.G=4", "grpo.i=2", "optim.token_budget
              "objective.beta=0.1", "objective.ratio_anchor=exact", "grpo.temperature=0.7", "kernels.chunk_tokens=8"]
 
 
-def run_worker(model_dir, out, nproc, tmp_path):
+def run_worker(model_dir, out, nproc, tmp_path, batch="fixed", overrides=OVERRIDES):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           WORKER, str(model_dir), str(out), *OVERRIDES]
+           WORKER, str(model_dir), str(out), batch, *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -81,3 +81,57 @@ def test_reference_swap_under_bf16_mixed_precision(results):
     assert proc.returncode == 0, proc.stderr[-4000:]
     gaps = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert gaps["before"] > 1e-3 and gaps["after"] == 0.0
+
+
+SKEWED_BUDGET = 120
+
+
+@pytest.fixture(scope="module")
+def skewed(results, tmp_path_factory):
+    """Ranks with different micro-batch counts: rank 0 holds the long sequences (one longer than the
+    budget), rank 1 the short ones, so rank 1's plan is split to rank 0's count."""
+    model_dir, _, _ = results
+    tmp = tmp_path_factory.mktemp("skewed")
+    overrides = [o for o in OVERRIDES if not o.startswith("optim.token_budget")] + [f"optim.token_budget={SKEWED_BUDGET}"]
+    one = run_worker(model_dir, tmp / "one.json", 1, tmp, "skewed", overrides)
+    two = run_worker(model_dir, tmp / "two.json", 2, tmp, "skewed", overrides)
+    return one, two
+
+
+def test_skewed_lengths_respect_the_budget_on_one_and_two_ranks(skewed):
+    one, two = skewed
+    for run in (one, two):
+        for rank_shapes in run["shapes"]:
+            for padded_tokens, rows in rank_shapes:
+                # The budget bounds every micro-batch, except a single sequence longer than it.
+                assert padded_tokens <= SKEWED_BUDGET or rows == 1, (padded_tokens, rows)
+        assert any(rows == 1 and tokens > SKEWED_BUDGET for tokens, rows in sum(run["shapes"], []))
+    counts = [len(rank_shapes) for rank_shapes in two["shapes"]]
+    assert counts[0] == counts[1] > 1  # lockstep, however different the two shares are
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+    assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-7)
+
+
+def test_entropy_with_one_micro_batch_and_two_sgd_iterations(results, tmp_path_factory):
+    """Bug: with one micro-batch the cached entropy tensor was all-reduced in place, so the logged
+    entropy doubled on 2 ranks at the second SGD iteration (5.28 -> 10.55 on this batch)."""
+    model_dir, _, _ = results
+    tmp = tmp_path_factory.mktemp("one_mb")
+    overrides = [o for o in OVERRIDES if not o.startswith("optim.token_budget")] + ["optim.token_budget=4096"]
+    one = run_worker(model_dir, tmp / "one.json", 1, tmp, "fixed", overrides)
+    two = run_worker(model_dir, tmp / "two.json", 2, tmp, "fixed", overrides)
+    assert one["micro_batches"] == two["micro_batches"] == 1
+    assert len(one["entropies"]) == 2 and one["entropies"][0] == one["entropies"][1] > 0  # pi_k's, logged twice
+    assert two["entropies"] == pytest.approx(one["entropies"], rel=1e-6)
+
+
+def test_activation_checkpointing_gives_the_same_step(results, tmp_path_factory):
+    """Recomputing each decoder layer in backward (the DeepScaleR configs' setting) changes memory,
+    not the update: 2 ranks with it on equal 2 ranks with it off."""
+    model_dir, _, two = results
+    tmp = tmp_path_factory.mktemp("ac")
+    ac = run_worker(model_dir, tmp / "two_ac.json", 2, tmp, "fixed", OVERRIDES + ["model.activation_checkpointing=true"])
+    assert ac["losses"] == pytest.approx(two["losses"], rel=1e-6, abs=1e-8)
+    assert ac["grad_norms"] == pytest.approx(two["grad_norms"], rel=1e-6)
+    assert ac["param_abs_sum"] == pytest.approx(two["param_abs_sum"], rel=1e-9)

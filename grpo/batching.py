@@ -1,0 +1,106 @@
+"""Packing a rank's share of the rollout into padded micro-batches under a token budget.
+
+Each rank trains on its share of the batch in micro-batches of at most `optim.token_budget`
+padded tokens (rows x longest row), accumulating gradients. Every rank must run the SAME number of
+micro-batches, because each forward and backward of an FSDP2 model is a collective. So the plan is
+made once, by tokens, on each rank; then the counts are equalised to the largest one by splitting
+micro-batches or, when nothing can be split, adding empty ones. Re-chunking by sample count
+instead would break the budget (lengths [100, 100, 100, 10 x 7] with budget 200 would give chunks
+of 300, 40 and 30 padded tokens).
+
+Samples are packed longest first, so rows of similar length share a micro-batch and little of the
+budget goes to padding. The budget is a bound, except for a single sequence longer than it: that
+one goes alone (with a warning, once).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from grpo.rollout import Sample
+
+_warned_over_budget = False
+
+
+def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices of the sequences (lengths = prompt + completion tokens) grouped into micro-batches
+    of at most token_budget padded tokens, longest first."""
+    global _warned_over_budget
+    order = sorted(range(len(lengths)), key=lambda j: (-lengths[j], j))
+    plan: list[list[int]] = []
+    for j in order:
+        # Longest first: a micro-batch's padded width is its first (longest) sequence.
+        if plan and lengths[plan[-1][0]] * (len(plan[-1]) + 1) <= token_budget:
+            plan[-1].append(j)
+            continue
+        if lengths[j] > token_budget and not _warned_over_budget:
+            warnings.warn(f"optim.token_budget: a sequence of {lengths[j]} tokens exceeds the budget of "
+                          f"{token_budget}; it gets a micro-batch of its own (warned once)")
+            _warned_over_budget = True
+        plan.append([j])
+    return plan
+
+
+def equalize_micro_batches(plan: list[list[int]], count: int) -> list[list[int]]:
+    """`plan` grown to `count` micro-batches (the largest count over ranks): split the micro-batch
+    with the most sequences in two (a subset of a micro-batch stays within its budget), and when
+    every one holds a single sequence, add empty micro-batches (a forward of no tokens)."""
+    if count < len(plan):
+        raise ValueError(f"count: {count} is less than the plan's {len(plan)} micro-batches")
+    plan = [list(mb) for mb in plan]
+    while len(plan) < count:
+        widest = max(range(len(plan)), key=lambda b: len(plan[b])) if plan else None
+        if widest is None or len(plan[widest]) < 2:
+            plan.append([])
+            continue
+        mb = plan.pop(widest)
+        half = (len(mb) + 1) // 2
+        plan[widest:widest] = [mb[:half], mb[half:]]
+    return plan
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, L] prompt + completion, right-padded
+    completion_index: torch.Tensor  # [N] flat positions (b*L + t) that predict a completion token
+    completion_tokens: torch.Tensor  # [N] the completion tokens, row-major over the batch
+    completion_mask: torch.Tensor  # [B, C] 1 for real completion tokens (C = longest completion)
+    logp_alpha: torch.Tensor  # [N]
+    adv: torch.Tensor  # [B]
+    seq_weight: torch.Tensor  # [B]
+    truncated: torch.Tensor  # [B] bool
+    seq_of_token: torch.Tensor  # [N] row of each flat token
+
+
+def collate(samples: list[Sample], pad_id: int, device: torch.device) -> MicroBatch:
+    """Right-padded tensors of `samples`; no samples gives an empty micro-batch (one pad token, no
+    completion token), which runs the model's collectives and contributes nothing."""
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples] or [1]
+    longest, longest_c = max(lengths), max([len(s.completion_ids) for s in samples] + [1])
+    input_ids = torch.full((max(len(samples), 1), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(samples), longest_c, dtype=torch.float32)
+    index, tokens, logp_alpha, rows = [], [], [], []
+    for b, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[b, :p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
+        mask[b, :c] = 1.0
+        # The hidden state at position t predicts token t+1: completion token j sits at p+j.
+        index.extend(b * longest + p - 1 + j for j in range(c))
+        tokens.extend(s.completion_ids)
+        logp_alpha.extend(s.logp_alpha)
+        rows.extend([b] * c)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    as_float = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    return MicroBatch(
+        input_ids=input_ids.to(device),
+        completion_index=as_long(index),
+        completion_tokens=as_long(tokens),
+        completion_mask=mask.to(device),
+        logp_alpha=as_float(logp_alpha),
+        adv=as_float([s.adv for s in samples]),
+        seq_weight=as_float([s.seq_weight for s in samples]),
+        truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool, device=device),
+        seq_of_token=as_long(rows),
+    )

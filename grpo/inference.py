@@ -1,0 +1,308 @@
+"""The trainer's view of the inference server: it samples from pi_old and takes weight pushes.
+
+    server = InferenceServer.launch(model_dir, cfg.server, run_dir, gpu="0")   # or attaches: server.url
+    result = server.generate(prompt_ids, n=G, max_tokens=200, temperature=0.1, seed=batch_seed)
+    server.push(full_state_dict, version=3, step=120)        # every v iterations (rank 0)
+    server.stop()
+
+The object owns both things the loop asks of the server: a push is write (grpo.weight_sync,
+atomic, hashed with server.weights_hash) -> load -> prune in one call, and generation survives a
+dead server: a launched child that died is restarted, the weights it served re-pushed (none
+before the first push: a fresh server serves the model directory as version 0, which is what it
+served), and the request retried. A request the server refuses (4xx) is raised as it is.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+
+from grpo.client import GenerationResult, InferenceClient, InferenceServerError, ServerUnavailableError
+from grpo.supervisor import ServerProcess
+from grpo.weight_sync import prune_weights, write_weights
+
+TOKEN_ENV = "GRPO_SERVER_TOKEN"
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+
+
+@dataclass
+class ServerConfig:
+    """The `server:` section: where pi_old is served and how weights get there."""
+
+    url: Optional[str] = None  # attach to a running server (http://host:port) instead of launching one
+    token_file: Optional[str] = None  # attach only: file with the server's token (else $GRPO_SERVER_TOKEN)
+    host: str = "127.0.0.1"  # interface the launched server binds; keep loopback unless it must be remote
+    port: int = 0  # port of the launched server; 0 = pick a free one
+    device: str = "auto"  # the server's GPU as an index into the visible GPUs ("auto": the first), or "cpu"
+    dtype: str = "auto"  # serving dtype (vLLM --dtype); float32 makes greedy outputs match HF exactly
+    weights_root: Optional[str] = None  # launch: where its private weights root is made (default /dev/shm if roomy,
+    #                                     else the run dir); attach with push_mode path: the server's own root
+    keep_last: int = 2  # weight directories kept after each push (>= 1; the served one is always kept)
+    push_mode: Literal["path", "bytes"] = "path"  # path: shared filesystem; bytes: file in the request body
+    weights_hash: Literal["sha256", "blake3"] = "sha256"  # manifest checksum; blake3 is ~2.3x faster here
+    startup_timeout_s: float = 600.0  # launch/restart waits this long for health, then shows the log
+    request_timeout_s: float = 600.0  # one HTTP request (a whole generation batch) may take this long
+    retry_deadline_s: float = 60.0  # transient failures are retried with backoff for this long
+    max_model_len: int = 2048  # prompt + completion tokens per sequence
+    gpu_memory_utilization: Optional[float] = None  # vLLM's share of its GPU; None: 0.85 on its own GPU, 0.3 shared
+    kv_cache_gb: float = 1.0  # CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)
+    cpu_threads: Optional[str] = None  # CPU only: cores for vLLM's threads, e.g. "0-1"; None = see docs
+    seed: int = 0  # engine seed (set once; per-request seeds kill the CPU engine)
+    trust_remote_code: bool = False  # let the model directory run its own Python code
+    enforce_eager: bool = False  # no CUDA graphs / compilation: faster start, slower decoding
+
+    def __post_init__(self) -> None:
+        if self.url is not None and urllib.parse.urlparse(self.url).scheme not in ("http", "https"):
+            raise ValueError(f"url: must start with http:// or https://, got {self.url!r}")
+        if self.url is not None and self.push_mode == "path" and self.weights_root is None:
+            raise ValueError("weights_root: attaching with push_mode 'path' needs the server's weights root "
+                             "(a shared filesystem), got None; or use push_mode 'bytes'")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if self.device not in ("auto", "cpu") and not self.device.isdigit():
+            raise ValueError(f"device: must be 'auto', 'cpu' or a GPU index, got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last: must be >= 1 (the served weights are kept), got {self.keep_last}")
+        for name in ("startup_timeout_s", "request_timeout_s", "retry_deadline_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.max_model_len < 16:
+            raise ValueError(f"max_model_len: must be >= 16, got {self.max_model_len}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_gb < 1 or self.kv_cache_gb != int(self.kv_cache_gb):
+            raise ValueError(f"kv_cache_gb: must be a whole number of GiB >= 1 (vLLM reads an integer), got {self.kv_cache_gb}")
+        if self.cpu_threads is not None and not all(p.replace("-", "").isdigit() for p in self.cpu_threads.split(",")):
+            raise ValueError(f"cpu_threads: must be a CPU list like '0-1' or '2,3', got {self.cpu_threads!r}")
+
+
+def check_context_fits(cfg: ServerConfig, longest_prompt: int, budgets: dict[str, int]) -> None:
+    """Refuse at start-up what the server would refuse per request hours later: every prompt plus
+    each completion budget (by its config key) must fit in server.max_model_len."""
+    for key, max_new_tokens in budgets.items():
+        if longest_prompt + max_new_tokens > cfg.max_model_len:
+            raise ValueError(f"server.max_model_len: {cfg.max_model_len} is shorter than the longest prompt "
+                             f"({longest_prompt} tokens) plus {key} ({max_new_tokens}); raise server.max_model_len "
+                             f"to >= {longest_prompt + max_new_tokens} or shorten {key}")
+
+
+def serving_dtype(cfg: ServerConfig, model_dir: str | os.PathLike) -> torch.dtype:
+    """The dtype vLLM serves in (server.dtype; "auto" = the model directory's own dtype, else bf16),
+    so a push is cast once on the trainer and needs no conversion on the server."""
+    names = {"float": "float32", "half": "float16"}
+    if cfg.dtype != "auto":
+        return getattr(torch, names.get(cfg.dtype, cfg.dtype))
+    config_path = Path(model_dir) / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    name = config.get("torch_dtype") or config.get("dtype")
+    return getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) \
+        else torch.bfloat16
+
+
+def _cpu_bind_list(cpu_threads: Optional[str]) -> str:
+    """Cores for vLLM's OpenMP threads. With >= 4 usable cores the server takes the upper half
+    (give the trainer the lower half); with fewer it shares them all, since GRPO alternates
+    sampling and training rather than running both at once."""
+    if cpu_threads:
+        return cpu_threads
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    chosen = cpus[len(cpus) // 2:] if len(cpus) >= 4 else cpus
+    return ",".join(map(str, chosen))
+
+
+def _private_root(parent: Path, name: str) -> Path:
+    """A fresh directory only this user can read, with an unpredictable name: another local user
+    can neither plant weights in it nor swap it for a symlink before the server loads from it."""
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"grpo-weights-{name}-", dir=parent))
+
+
+def _default_parent(run_dir: Path, need_bytes: int, keep_last: int) -> Path:
+    """/dev/shm when tmpfs has room for keep_last + 2 pushes (the server then reads the trainer's
+    writes from memory, no disk), else the run directory."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > need_bytes * (keep_last + 2) + (1 << 30):
+        return shm
+    return run_dir
+
+
+class InferenceServer:
+    """A grpo.server child process (or an attached URL), its client, and the weights it serves."""
+
+    def __init__(self, cfg: ServerConfig, client: InferenceClient, model_dir: Path, run_dir: Path,
+                 weights_root: Optional[Path], process: Optional[ServerProcess] = None,
+                 token: Optional[str] = None) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.model_dir = model_dir
+        self.run_dir = run_dir
+        self._root = weights_root  # the server's root (path pushes are written here); None: attached, bytes
+        self._process = process
+        self._token = token  # a launched child's token (a restart checks its health with it)
+        self._served: Optional[tuple[Path, int, str]] = None  # (dir, version, mode): what a restart re-serves
+        self._stopped = False
+        self.serve_dtype = serving_dtype(cfg, model_dir)
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    def __repr__(self) -> str:
+        return f"InferenceServer({self.url!r}, pid={self.pid})"
+
+    # -- construction
+    @classmethod
+    def launch(cls, model_dir: str | Path, cfg: ServerConfig, run_dir: str | Path, gpu: Optional[str] = None,
+               gpu_memory_utilization: Optional[float] = None) -> "InferenceServer":
+        """Start `python -m grpo.server` as a child and wait for its health (or attach if cfg.url).
+        gpu: the CUDA_VISIBLE_DEVICES entry of the server's GPU (grpo.layout decides), None: CPU."""
+        model_dir, run_dir = Path(model_dir).resolve(), Path(run_dir).resolve()
+        if cfg.url:
+            token = Path(cfg.token_file).read_text().strip() if cfg.token_file else os.environ.get(TOKEN_ENV)
+            client = InferenceClient(cfg.url, token, cfg.request_timeout_s, cfg.retry_deadline_s)
+            if not client.health():
+                client.request("GET", "/grpo/health")  # retries until the deadline, then says why
+            root = Path(cfg.weights_root) if cfg.push_mode == "path" else None
+            return cls(cfg, client, model_dir, run_dir, root)
+        server_dir = run_dir / "server"
+        server_dir.mkdir(parents=True, exist_ok=True)
+        model_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+        parent = Path(cfg.weights_root) if cfg.weights_root else _default_parent(run_dir, model_bytes, cfg.keep_last)
+        root = _private_root(parent, run_dir.name)
+        token = secrets.token_urlsafe(32)
+        token_file = server_dir / "token"
+        token_file.unlink(missing_ok=True)
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, token.encode())
+        os.close(fd)
+        fraction = gpu_memory_utilization or cfg.gpu_memory_utilization or 0.85
+        cmd = [sys.executable, "-m", "grpo.server", "--model", str(model_dir), "--weights-root", str(root),
+               "--token-file", str(token_file), "--port-file", str(server_dir / "port"), "--host", cfg.host,
+               "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
+               "--gpu-memory-utilization", str(fraction), "--keep-last", str(cfg.keep_last),
+               "--parent-pid", str(os.getpid())]
+        cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
+        cmd += ["--enforce-eager"] if cfg.enforce_eager else []
+        env = dict(os.environ)
+        env.pop(TOKEN_ENV, None)
+        env["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU server never touches the trainers' GPUs
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_gb))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind_list(cfg.cpu_threads)
+        process = ServerProcess(cmd, env, server_dir, cfg.host)
+        client = InferenceClient("http://unset", token, cfg.request_timeout_s, cfg.retry_deadline_s,
+                                 death_check=process.death_reason)
+        server = cls(cfg, client, model_dir, run_dir, root, process, token)
+        try:
+            server._start(cfg.port)
+        except BaseException:
+            process.stop()  # the token file stays: the log next to it names what went wrong
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        return server
+
+    # -- what the loop asks
+    def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
+                 top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None,
+                 seed: Optional[int] = None) -> GenerationResult:
+        """client.generate, surviving the death of a launched server (restart, re-serve, retry once)."""
+        def call():
+            return self.client.generate(prompt_token_ids, n, max_tokens, temperature, top_p, stop_token_ids, seed)
+        try:
+            return call()
+        except ServerUnavailableError as e:
+            if self._process is None:
+                raise  # attached: not ours to restart
+            self._report_restart(e)
+            self.restart()
+            return call()
+
+    def push(self, state_dict: dict[str, torch.Tensor], version: int, step: int) -> dict:
+        """alpha <- these weights (rank 0's full state dict): write, load, prune. Returns the server's
+        reply with bytes, seconds and weights_dir."""
+        t0 = time.perf_counter()
+        root = self._root if self.cfg.push_mode == "path" else self.run_dir / "weights"
+        weights_dir = write_weights(state_dict, self.model_dir, root, version=version, step=step,
+                                    dtype=self.serve_dtype, hash_algo=self.cfg.weights_hash)
+        reply = self._load(weights_dir, version, self.cfg.push_mode)
+        prune_weights(root, self.cfg.keep_last)
+        return {**reply, "weights_dir": str(weights_dir), "seconds": time.perf_counter() - t0}
+
+    @property
+    def weights_root(self) -> Optional[Path]:
+        """The server's weights root (path pushes are written there); for tools and tests."""
+        return self._root
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The launched child's pid (None when attached)."""
+        return self._process.process.pid if self._process and self._process.process else None
+
+    def serve(self, weights_dir: str | Path, version: int) -> dict:
+        """Serve an existing directory written by write_weights as `version` (a resumed run re-serves
+        alpha), uploaded so that where it lies does not matter."""
+        return self._load(Path(weights_dir), version, "bytes")
+
+    def weights_version(self) -> int:
+        return self.client.weights_version()
+
+    def _load(self, weights_dir: Path, version: int, mode: str) -> dict:
+        reply = self.client.push_weights(weights_dir, version, mode=mode)
+        self._served = (weights_dir, version, mode)
+        return reply
+
+    # -- lifecycle
+    def _report_restart(self, error: Exception) -> None:
+        what = f"re-serving version {self._served[1]}" if self._served else "nothing pushed yet, so no re-push"
+        print(f"[grpo] inference server failed ({str(error).splitlines()[0]}); restarting it, {what}", file=sys.stderr)
+
+    def restart(self) -> None:
+        """Start the child again on the same port and re-serve what it served (nothing before a push)."""
+        if self._process is None:
+            raise InferenceServerError("restart: this server was attached by URL, not launched here")
+        self._process.kill()
+        self._start(urllib.parse.urlparse(self.client.url).port or self.cfg.port)
+        if self._served is not None:
+            self._load(*self._served)
+
+    def _start(self, port: int) -> None:
+        healthy = lambda url: InferenceClient(url, self._token, retry_deadline_s=1).health()  # noqa: E731
+        self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
+
+    def is_alive(self) -> bool:
+        if self._process is not None and self._process.death_reason():
+            return False
+        return self.client.health()
+
+    def stop(self) -> None:
+        """Stop the child and everything it started; remove the token file and the private weights root."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._process is not None:
+            self._process.stop()
+            (self.run_dir / "server" / "token").unlink(missing_ok=True)
+            if self._root is not None:
+                shutil.rmtree(self._root, ignore_errors=True)
+
+    def __enter__(self) -> "InferenceServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,53 @@
+"""Collectives of grpo.parallel on a real gloo group, for tests/test_parallel.py.
+
+    torchrun --nproc_per_node=2 tests/parallel_worker.py payload OUT_JSON
+    torchrun --nproc_per_node=2 tests/parallel_worker.py timeout OUT_JSON TIMEOUT_S SLEEP_S
+"""
+import hashlib
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch.distributed as dist  # noqa: E402
+
+from grpo.parallel import all_reduce_max, all_reduce_sum, broadcast_json, init_distributed  # noqa: E402
+
+
+def main():
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "payload":
+        info = init_distributed("cpu")
+        # A rollout-sized payload (~6 MB of JSON): rank 0's object reaches every rank unchanged.
+        obj = {"samples": [{"ids": list(range(i, i + 300)), "logp": [-0.5 - i * 1e-3] * 300, "text": "é" * 50}
+                           for i in range(2000)]} if info.rank == 0 else None
+        t0 = time.time()
+        got = broadcast_json(obj)
+        seconds = time.time() - t0
+        digest = hashlib.sha256(json.dumps(got, sort_keys=True).encode()).hexdigest()
+        sums = all_reduce_sum({"rank": info.rank, "one": 1.0})
+        top = all_reduce_max(10.0 * info.rank)
+        result = {"rank": info.rank, "digest": digest, "bytes": len(json.dumps(got)), "seconds": seconds,
+                  "sum_rank": sums["rank"], "sum_one": sums["one"], "max": top}
+    else:
+        timeout_s, sleep_s = float(sys.argv[3]), float(sys.argv[4])
+        info = init_distributed("cpu", timeout_s=timeout_s)
+        if info.rank == 0:
+            time.sleep(sleep_s)  # rank 0 busy (starting vLLM, evaluating) while rank 1 waits
+        try:
+            broadcast_json({"ready": True} if info.rank == 0 else None)
+            result = {"rank": info.rank, "ok": True}
+        except Exception as e:  # the time-out, reported to the test
+            result = {"rank": info.rank, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    with open(f"{out}.{info.rank}", "w") as f:
+        json.dump(result, f)
+    if mode == "payload" or result["ok"]:
+        dist.destroy_process_group()
+    else:
+        os._exit(0)  # a timed-out gloo group cannot be torn down cleanly
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Process groups, collectives and the device layout: every decision a multi-GPU run depends on,
+exercised on CPU (gloo ranks and pure functions)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from grpo.layout import OWN_GPU_FRACTION, SHARED_GPU_FRACTION, LayoutError, plan_layout, visible_gpus
+from grpo.parallel import launch_env, process_group_backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "parallel_worker.py")
+
+
+def torchrun(nproc, *args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           WORKER, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_backend_decision():
+    # CUDA tensors (the model's) go over NCCL; the loop's CPU tensors over gloo, on GPU runs too:
+    # a pure "nccl" group fails the first broadcast_json ("No backend type associated with device type cpu").
+    assert process_group_backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert process_group_backend("cpu") == "gloo"
+    with pytest.raises(ValueError, match="no process group backend"):
+        process_group_backend("mps")
+
+
+def test_payloads_of_several_mb_round_trip_on_two_ranks(tmp_path):
+    proc = torchrun(2, "payload", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
+    assert r0["bytes"] > 5_000_000 and r0["digest"] == r1["digest"] and r0["bytes"] == r1["bytes"]
+    assert (r0["sum_rank"], r0["sum_one"], r0["max"]) == (1.0, 2.0, 10.0) == (r1["sum_rank"], r1["sum_one"], r1["max"])
+
+
+def test_process_group_timeout_is_the_configured_one(tmp_path):
+    """Rank 1 waits in a broadcast while rank 0 is busy for 4 s: a 1 s time-out aborts it, the
+    configured 60 s lets it through (NCCL's default of 10 minutes would abort a vLLM start-up)."""
+    short = torchrun(2, "timeout", tmp_path / "short", 1, 4)
+    r1 = json.loads((tmp_path / "short.1").read_text())
+    assert not r1["ok"], (short.stdout[-2000:], short.stderr[-2000:])
+    long = torchrun(2, "timeout", tmp_path / "long", 60, 4)
+    assert long.returncode == 0, long.stderr[-3000:]
+    assert json.loads((tmp_path / "long.1").read_text())["ok"]
+
+
+V8 = [str(i) for i in range(8)]
+
+
+@pytest.mark.parametrize("case,visible,kw,expected", [
+    # the paper's node: 8 GPUs, 7 trainers, vLLM on GPU 0
+    ("8 GPUs, rank 0", V8, dict(rank=0, local_rank=0, local_world_size=7), ("cuda:1", True, "0", OWN_GPU_FRACTION, False)),
+    ("8 GPUs, rank 6", V8, dict(rank=6, local_rank=6, local_world_size=7), ("cuda:7", False, None, None, False)),
+    # CUDA_VISIBLE_DEVICES=4,5,6,7: 3 trainers + 1 server; server.device indexes the visible list
+    ("CVD 4-7, rank 0", ["4", "5", "6", "7"], dict(rank=0, local_rank=0, local_world_size=3),
+     ("cuda:1", True, "4", OWN_GPU_FRACTION, False)),
+    ("CVD 4-7, server.device=3", ["4", "5", "6", "7"], dict(rank=2, local_rank=2, local_world_size=3, server_device="3"),
+     ("cuda:2", False, None, None, False)),
+    ("CVD 4-7, server.device=3, rank 0", ["4", "5", "6", "7"],
+     dict(rank=0, local_rank=0, local_world_size=3, server_device="3"), ("cuda:0", True, "7", OWN_GPU_FRACTION, False)),
+    # one GPU: shared, with the server's memory fraction set explicitly
+    ("1 GPU", ["0"], dict(rank=0, local_rank=0, local_world_size=1), ("cuda:0", True, "0", SHARED_GPU_FRACTION, True)),
+    ("1 GPU, fraction given", ["GPU-abc"], dict(rank=0, local_rank=0, local_world_size=1, memory_fraction=0.5),
+     ("cuda:0", True, "GPU-abc", 0.5, True)),
+    # server on another node (URL): every local GPU trains
+    ("attached", V8, dict(rank=0, local_rank=0, local_world_size=8, attached=True), ("cuda:0", True, None, None, False)),
+    ("attached, rank 7", V8, dict(rank=7, local_rank=7, local_world_size=8, attached=True),
+     ("cuda:7", False, None, None, False)),
+    # multi-node: node 1 has no server, its ranks use GPUs 0..6
+    ("node 1", V8, dict(rank=7, local_rank=0, local_world_size=7, node_rank=1), ("cuda:0", False, None, None, False)),
+    ("CPU", [], dict(rank=0, local_rank=0, local_world_size=1), ("cpu", True, None, None, False)),
+    # eval.py: a server and no trainer
+    ("eval, 1 GPU", ["0"], dict(rank=0, local_rank=0, local_world_size=0), ("cpu", True, "0", OWN_GPU_FRACTION, False)),
+    ("eval, server.device=2", V8, dict(rank=0, local_rank=0, local_world_size=0, server_device="2"),
+     ("cpu", True, "2", OWN_GPU_FRACTION, False)),
+    ("CPU, rank 1", [], dict(rank=1, local_rank=1, local_world_size=2), ("cpu", False, None, None, False)),
+])
+def test_device_layouts(case, visible, kw, expected):
+    kw = {"server_device": "auto", "attached": False, "node_rank": 0, **kw}
+    layout = plan_layout(visible, **kw)
+    got = (layout.trainer_device, layout.launches_server, layout.server_gpu, layout.server_memory_fraction,
+           layout.shares_gpu)
+    assert got == expected, case
+
+
+@pytest.mark.parametrize("visible,kw,message", [
+    (V8, dict(local_world_size=8), r"--nproc_per_node=8 trainers plus the inference server need 9 GPUs, 8 are visible"
+                                   r".*use --nproc_per_node=7, or server.url"),
+    (["4", "5"], dict(local_world_size=2), "need 3 GPUs, 2 are visible"),
+    (V8, dict(local_world_size=7, server_device="8"), r"server.device: '8' is not an index into the 8 visible GPUs"),
+    (["0"], dict(local_world_size=2), "need 3 GPUs, 1 are visible"),
+    ([], dict(local_world_size=1, server_device="0"), "server.device: '0' names a GPU, but this machine shows none"),
+    (V8, dict(local_world_size=9, attached=True), r"--nproc_per_node=9: only 8 GPUs are visible"),
+])
+def test_impossible_layouts_are_refused_naming_the_keys(visible, kw, message):
+    kw = {"server_device": "auto", "attached": False, "node_rank": 0, "rank": 0, "local_rank": 0, **kw}
+    with pytest.raises(LayoutError, match=message):
+        plan_layout(visible, **kw)
+
+
+def test_visible_gpus_and_launch_env():
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5, 6,7"}, device_count=4) == ["4", "5", "6", "7"]
+    assert visible_gpus({}, device_count=2) == ["0", "1"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1"}, device_count=0) == []
+    env = launch_env({"RANK": "9", "WORLD_SIZE": "14", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "7", "GROUP_RANK": "1"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (9, 14, 2, 7, 1)
+    assert launch_env({}) == launch_env({"RANK": "0", "WORLD_SIZE": "1"})
