@@ -1,0 +1,101 @@
+"""Bad input to train.py: one line on stderr naming the key, file or row, exit code 2, and nothing
+slow started first (each case here fails before the model is sharded or the server launched).
+
+Each case is a real `python train.py` process (they run side by side to keep this quick).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny_models import make_tiny_model_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2")
+
+
+def _jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """name -> (overrides, what the one line must contain)."""
+    good = {"question": "1+1?", "answer": "2"}
+    return {
+        "hub id without a hub": (["model.path=Qwen/Qwen2.5-0.5B-Instruct"],
+                                 ["model.path", "Qwen/Qwen2.5-0.5B-Instruct", "local"]),
+        "path that is no directory": (["model.path=/nowhere/at/all/model"], ["model.path", "/nowhere/at/all/model"]),
+        "model dir without weights": ([f"model.path={tmp / 'empty_model'}"], ["model.path", "no config.json"]),
+        "missing dataset file": ([f"data.dataset={tmp / 'nowhere.jsonl'}"], ["data:", "nowhere.jsonl", "not found"]),
+        "malformed JSONL row": ([f"data.dataset={_jsonl(tmp / 'bad.jsonl', [good, '{oops'])}"],
+                                ["data:", "bad.jsonl:2", "not valid JSON"]),
+        "row without an answer": ([f"data.dataset={_jsonl(tmp / 'noans.jsonl', [good, good, {'question': 'x'}])}"],
+                                  ["data:", "noans.jsonl:3", "'answer'"]),
+        "missing eval_data file": ([f"eval_data.dataset={tmp / 'no_eval.jsonl'}"], ["eval_data:", "no_eval.jsonl"]),
+        "nan learning rate": (["optim.lr=nan"], ["optim.lr"]),
+        "inf temperature": (["grpo.temperature=inf"], ["grpo.temperature"]),
+        "nan grad clip": (["optim.grad_clip=nan"], ["optim.grad_clip"]),
+        "nan beta": (["objective.beta=nan"], ["objective.beta"]),
+        "context shorter than prompt + completion": (["server.max_model_len=40"],
+                                                     ["server.max_model_len", "grpo.max_new_tokens"]),
+    }
+
+
+def test_each_bad_input_is_one_line_and_exit_2(model_dir, tmp_path):
+    (tmp_path / "empty_model").mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf_home")}
+    procs = {}
+    for name, (overrides, _) in _cases(tmp_path).items():
+        cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/tiny_test.yaml"),
+               f"model.path={model_dir}", f"log.out_dir={tmp_path / 'runs'}", f"log.run_name=case{len(procs)}", *overrides]
+        procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for name, (_, expected) in _cases(tmp_path).items():
+        out, err = procs[name].communicate(timeout=600)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert procs[name].returncode == 2, f"{name}: exit {procs[name].returncode}\n{err[-3000:]}"
+        assert "Traceback" not in err, f"{name}:\n{err[-3000:]}"
+        assert lines[-1].startswith("config error: "), f"{name}: {lines[-1]}"
+        for needle in expected:
+            assert needle in lines[-1], f"{name}: {needle!r} not in {lines[-1]!r}"
+        # nothing slow started: no server was launched, no weights were written
+        assert not list((tmp_path / "runs").glob("*/weights*")), name
+
+
+def test_resume_flag_is_accepted_anywhere(model_dir):
+    import train
+
+    for argv in (["--resume", "--config", "configs/tiny_test.yaml", f"model.path={model_dir}", "grpo.v=3"],
+                 ["--config", "configs/tiny_test.yaml", f"model.path={model_dir}", "grpo.v=3", "--resume"],
+                 ["--config", "configs/tiny_test.yaml", f"model.path={model_dir}", "--resume", "grpo.v=3"]):
+        cfg, resume = train.parse_args([a.replace("configs/", str(ROOT / "configs") + "/") for a in argv])
+        assert resume and cfg.grpo.v == 3 and cfg.model.path == str(model_dir), argv
+
+
+def test_hub_id_in_the_hf_cache_resolves_to_its_snapshot(model_dir, tmp_path, monkeypatch):
+    """A hub id already in the HF cache is used offline, as the local snapshot directory."""
+    from grpo.models import resolve_model_path
+
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    assert Path(resolve_model_path("acme/tiny")) == snap
