@@ -1,0 +1,423 @@
+"""The trainer-side GPU checks, one JSON report (run through scripts/gpu_check.sh).
+
+For a developer with one H100/H200 for 30 minutes, on that machine's image as it is: torch 2.11
+(CUDA 13), Triton 3.6, transformers, safetensors, pyyaml; no vLLM, no math-verify, no W&B, no
+package registry. So this imports only grpo modules that need nothing else (parallel, models,
+policy, objective, weight_sync) and kernels/; the server is not part of it.
+
+Each step runs in its own process (a CUDA fault in one cannot poison the next) and reports a dict;
+the report holds every step's dict, its status (ok / FAIL / error) and its seconds.
+
+    scripts/gpu_check.sh                 # all steps on cuda:0, report in $OUT (or runs/gpu_check)
+    scripts/gpu_check.sh --dry-run       # list the steps, run nothing
+    scripts/gpu_check.sh --smoke         # every step at toy sizes on the CPU (what CI runs)
+    scripts/gpu_check.sh --only parity   # some steps
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+GIB = 1024 ** 3
+
+# Nominal HBM bandwidth (bytes/s) by device name: the denominator of "fraction of peak".
+HBM_PEAK = [("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+            ("A100-SXM4-80GB", 2.039e12), ("A100", 1.555e12)]
+
+# Model shapes (Qwen2 architecture) at the paper's two sizes; "toy" is the smoke test's.
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "r1-distill-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False),
+    "toy": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1001, tie_word_embeddings=False),
+}
+
+
+def _sizes(smoke: bool) -> dict:
+    """Token counts and shapes per step: the paper's on a GPU, toy ones for --smoke on the CPU."""
+    if smoke:
+        return dict(models=["toy"], parity_tokens=[37, 64], vocab=1001, hidden=64, bench_tokens=128,
+                    step_model="toy", step_tokens=256, step_seq=64, push_models=["toy"], payload_mb=4)
+    return dict(models=["qwen2.5-0.5b", "r1-distill-1.5b"], parity_tokens=[1023, 2048], vocab=151936, hidden=896,
+                bench_tokens=2048, step_model="r1-distill-1.5b", step_tokens=16384, step_seq=4096,
+                push_models=["qwen2.5-0.5b", "r1-distill-1.5b"], payload_mb=64)
+
+
+def _device(smoke: bool):
+    import torch
+
+    return torch.device("cpu" if smoke else "cuda:0")
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device, repeats: int = 10) -> float:
+    """Fastest of `repeats` runs of fn(), seconds (after one warm-up run)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# ------------------------------------------------------------------------------------------ steps
+
+
+def step_environment(args) -> dict:
+    import torch
+    import triton
+    import transformers
+
+    out = dict(torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
+               cuda=torch.version.cuda, python=sys.version.split()[0], interpreter=os.environ.get("TRITON_INTERPRET"))
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out.update(device=p.name, capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / GIB, 1),
+                   sms=p.multi_processor_count, hbm_peak_bytes_per_s=_hbm_peak(p.name))
+    return out
+
+
+def _hbm_peak(name: str):
+    return next((peak for key, peak in HBM_PEAK if key in name), None)
+
+
+def step_models(args) -> dict:
+    """Random models at the paper's shapes, saved as HF directories for the later steps."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = {}
+    for name in _sizes(args.smoke)["models"]:
+        d = Path(args.work) / "models" / name
+        if (d / "config.json").is_file():
+            out[name] = dict(dir=str(d), reused=True)
+            continue
+        torch.manual_seed(0)
+        config = Qwen2Config(**SHAPES[name], max_position_embeddings=32768, torch_dtype="bfloat16")
+        with torch.device(_device(args.smoke)):
+            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(d)
+        out[name] = dict(dir=str(d), params=sum(p.numel() for p in model.parameters()))
+    return out
+
+
+def step_parity(args) -> dict:
+    """Every Triton path against its torch reference at Qwen vocabulary size, bf16 and fp32:
+    values and gradients (log-probs, entropy, fused LM head, fused LM head + objective, loss kernel)."""
+    import torch
+
+    import kernels
+    from grpo import objective as O
+
+    s, device, out, worst = _sizes(args.smoke), _device(args.smoke), {}, 0.0
+    triton_cfg, torch_cfg = kernels.KernelConfig(backend="triton"), kernels.KernelConfig(backend="torch")
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in s["parity_tokens"]:
+            g = torch.Generator(device=device).manual_seed(n)
+            hidden = torch.randn(n, s["hidden"], device=device, generator=g).to(dtype)
+            weight = (torch.randn(s["vocab"], s["hidden"], device=device, generator=g) * s["hidden"] ** -0.5).to(dtype)
+            targets = torch.randint(0, s["vocab"], (n,), device=device, generator=g)
+            upstream = torch.randn(n, device=device, generator=g)
+            key = f"{str(dtype).split('.')[-1]}_n{n}"
+            errs = {}
+            for T in (1.0, 0.1):
+                res = {}
+                for label, cfg in (("triton", triton_cfg), ("torch", torch_cfg)):
+                    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                    logp, ent = kernels.lm_head_logprobs(h, w, targets, T, with_entropy=True, config=cfg)
+                    (logp * upstream).sum().backward()
+                    logits = (hidden.float() @ weight.float().t()).requires_grad_()
+                    lp2, ratio, ent2 = kernels.token_logprobs(logits, targets, T, logp_alpha=upstream.detach(),
+                                                              with_entropy=True, backend=cfg.backend)
+                    (lp2 * upstream + ratio + ent2).sum().backward()
+                    # the trainer's path: LM head + objective fused, gradients during the forward
+                    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                    ocfg = O.ObjectiveConfig(beta=0.1, ratio_anchor="exact")
+                    loss, _, lp3, _ = kernels.lm_head_objective(
+                        h2, w2, targets, logp.detach() - 0.05, logp.detach() + 0.01, logp.detach() - 0.02,
+                        upstream, torch.full_like(upstream, 1.0 / n), ocfg,
+                        objective_fn=O.objective_fn_for(device, cfg), temperature=T, config=cfg)
+                    loss.backward()
+                    res[label] = (logp, ent, h.grad.float(), w.grad.float(), lp2, ratio, ent2, logits.grad,
+                                  loss, lp3, h2.grad.float(), w2.grad.float())
+                names = ("lm_head_logp", "lm_head_entropy", "lm_head_grad_hidden", "lm_head_grad_weight",
+                         "token_logp", "token_log_ratio", "token_entropy", "token_grad_logits",
+                         "fused_objective_loss", "fused_objective_logp", "fused_objective_grad_hidden",
+                         "fused_objective_grad_weight")
+                for name, a, b in zip(names, res["triton"], res["torch"]):
+                    scale = float(b.abs().max().clamp_min(1e-6))
+                    errs[f"{name}_T{T}"] = float((a.float() - b.float()).abs().max()) / scale
+            # the loss kernel against the torch objective (values, statistics, gradient)
+            logp = -torch.rand(n, device=device, generator=g) * 5
+            alpha = logp + 0.05 * torch.randn(n, device=device, generator=g)
+            ref = logp + 0.05 * torch.randn(n, device=device, generator=g)
+            adv = torch.randn(n, device=device, generator=g)
+            weights = torch.rand(n, device=device, generator=g) / n
+            ocfg = O.ObjectiveConfig(beta=0.1)
+            lp_a = logp.clone().requires_grad_()
+            loss_a, stats_a = kernels.grpo_objective(lp_a, alpha, None, ref, adv, weights, ocfg, config=triton_cfg)
+            loss_a.backward()
+            lp_b = logp.clone().requires_grad_()
+            loss_b, stats_b = O.objective(lp_b, alpha, None, ref, adv, weights, ocfg)
+            loss_b.backward()
+            errs["loss_value"] = abs(float(loss_a) - float(loss_b)) / max(abs(float(loss_b)), 1e-6)
+            errs["loss_grad"] = float((lp_a.grad - lp_b.grad).abs().max() / lp_b.grad.abs().max().clamp_min(1e-12))
+            errs["loss_stats"] = max(abs(float(stats_a[k]) - float(stats_b[k])) / max(abs(float(stats_b[k])), 1e-6)
+                                     for k in stats_b)
+            out[key] = {k: float(f"{v:.3g}") for k, v in errs.items()}
+            worst = max(worst, max(errs.values()))
+    out["worst_relative_error"] = worst
+    out["ok"] = worst < 2e-2  # bf16 gradients of [V, H]: a few bf16 ulps relative to the largest entry
+    return out
+
+
+def step_bench_kernels(args) -> dict:
+    """bench/kernels.py (LM head a-d, loss kernel vs torch objective), and the log-prob kernel's
+    achieved HBM bandwidth as a fraction of the device's nominal peak."""
+    import torch
+
+    import kernels
+
+    s, device = _sizes(args.smoke), _device(args.smoke)
+    out = {}
+    if not args.smoke:
+        cmd = [sys.executable, str(ROOT / "bench/kernels.py"), "--dtype", "bfloat16", "--temperature", "0.1",
+               "--no-shared"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        out["bench_kernels"] = (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0
+                                else {"error": proc.stderr[-2000:]})
+    n, v = s["bench_tokens"], s["vocab"]
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randn(n, v, device=device, dtype=dtype)
+        targets = torch.randint(0, v, (n,), device=device)
+        backend = "torch" if args.smoke else "triton"
+        seconds = _timed(lambda: kernels.token_logprobs(logits, targets, 0.1, backend=backend), device,
+                         repeats=3 if args.smoke else 20)
+        copy_dst = torch.empty_like(logits)
+        copy_s = _timed(lambda: copy_dst.copy_(logits), device, repeats=3 if args.smoke else 20)
+        read = logits.numel() * logits.element_size()
+        peak = _hbm_peak(torch.cuda.get_device_properties(0).name) if device.type == "cuda" else None
+        out[f"logprob_{str(dtype).split('.')[-1]}"] = dict(
+            seconds=seconds, bytes_read=read, bytes_per_s=read / seconds,
+            fraction_of_peak=(read / seconds / peak) if peak else None,
+            fraction_of_copy=(read / seconds) / (2 * read / copy_s))  # a copy moves 2x the bytes
+    return out
+
+
+def step_collectives(args) -> dict:
+    """grpo.parallel's collectives on a real 1-rank group of the device's backend (NCCL on CUDA):
+    the helpers run whenever a group exists, so a CPU tensor on the wrong backend fails here as it
+    would on 8 ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from grpo.parallel import all_reduce_max, all_reduce_sum, broadcast_json, init_distributed, process_group_backend
+
+    device = _device(args.smoke)
+    info = init_distributed(device, timeout_s=600)
+    try:
+        sums = all_reduce_sum({"a": 1.5, "b": torch.tensor(2.0, device=device), "c": torch.tensor(3.0)})
+        mx = all_reduce_max(7)
+        payload = {"rows": ["x" * 1000] * (_sizes(args.smoke)["payload_mb"] * 1000)}
+        t0 = time.perf_counter()
+        back = broadcast_json(payload)
+        seconds = time.perf_counter() - t0
+        ok = sums == {"a": 1.5, "b": 2.0, "c": 3.0} and mx == 7 and back == payload
+        return dict(backend=process_group_backend(device.type), world_size=info.world_size, sums=sums, max=mx,
+                    broadcast_mb=len(json.dumps(payload)) / 2 ** 20, broadcast_seconds=seconds, ok=ok)
+    finally:
+        dist.destroy_process_group()
+
+
+def step_fsdp(args) -> dict:
+    """1-rank FSDP2 steps (bf16 mixed precision on GPU) with and without activation checkpointing at
+    the DeepScaleR config's token budget: peak memory and seconds per optimizer step."""
+    import torch
+    import torch.distributed as dist
+
+    import kernels
+    from grpo import objective as O
+    from grpo.models import load_model
+    from grpo.parallel import init_distributed, shard_model
+    from grpo.policy import ObjectiveInputs, PolicyLogprobs
+
+    s, device = _sizes(args.smoke), _device(args.smoke)
+    init_distributed(device, timeout_s=600)
+    model_dir = Path(args.work) / "models" / s["step_model"]
+    out = {}
+    try:
+        for ac in (False, True):
+            lm = load_model(model_dir, dtype=torch.float32).to(device)
+            policy = shard_model(PolicyLogprobs(lm, 0.7, kernels.KernelConfig()), lm,
+                                 torch.bfloat16 if device.type == "cuda" else None, ac)
+            opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+            b, L = s["step_tokens"] // s["step_seq"], s["step_seq"]
+            g = torch.Generator(device=device).manual_seed(0)
+            ids = torch.randint(0, lm.config.vocab_size, (b, L), device=device, generator=g)
+            prompt = L // 8  # completion = the rest of each sequence
+            index = torch.cat([torch.arange(r * L + prompt - 1, r * L + L - 1, device=device) for r in range(b)])
+            tokens = ids.reshape(-1)[index + 1]
+            n = index.numel()
+            inputs = ObjectiveInputs(-torch.rand(n, device=device, generator=g) * 3, None, None,
+                                     torch.randn(n, device=device, generator=g), torch.full((n,), 1.0 / n, device=device),
+                                     O.ObjectiveConfig(beta=0.0))
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            times, losses = [], []
+            for _ in range(2 if args.smoke else 3):
+                _sync(device)
+                t0 = time.perf_counter()
+                o = policy(ids, index, tokens, objective=inputs)
+                o.loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+                losses.append(float(o.loss))
+            peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
+            out[f"activation_checkpointing_{ac}"] = dict(tokens=b * L, seconds_per_step=min(times[1:]),
+                                                         peak_gib=peak, losses=losses)
+            del policy, opt, lm, o
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+    # recomputing each layer in backward changes no number (same first-step loss, same update)
+    a, b = out["activation_checkpointing_False"]["losses"], out["activation_checkpointing_True"]["losses"]
+    out["ok"] = all(abs(x - y) <= 1e-3 * max(abs(x), 1e-3) for x, y in zip(a, b))
+    return out
+
+
+def step_push(args) -> dict:
+    """The weight push on the trainer side: gather the FSDP2 shards cast to bf16 on the device, then
+    write safetensors + manifest (sha256) under /dev/shm, as grpo.inference does."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from grpo.models import load_model
+    from grpo.parallel import gather_full_state_dict, init_distributed, shard_model
+    from grpo.policy import PolicyLogprobs
+    import kernels
+    from grpo.weight_sync import write_weights
+
+    device = _device(args.smoke)
+    init_distributed(device, timeout_s=600)
+    out = {}
+    try:
+        for name in _sizes(args.smoke)["push_models"]:
+            model_dir = Path(args.work) / "models" / name
+            lm = load_model(model_dir, dtype=torch.float32).to(device)
+            policy = shard_model(PolicyLogprobs(lm, 1.0, kernels.KernelConfig()), lm, None, False)
+            _sync(device)
+            t0 = time.perf_counter()
+            state = gather_full_state_dict(lm, dtype=torch.bfloat16)
+            t_gather = time.perf_counter() - t0
+            shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+            with tempfile.TemporaryDirectory(dir=shm) as root:
+                t0 = time.perf_counter()
+                written = write_weights(state, model_dir, root, 1, 1, torch.bfloat16)
+                t_write = time.perf_counter() - t0
+                nbytes = sum(f.stat().st_size for f in Path(written).glob("*.safetensors"))
+            out[name] = dict(gather_cast_s=t_gather, write_hash_s=t_write, bytes=nbytes,
+                             gb_per_s=nbytes / (t_gather + t_write) / 1e9)
+            del policy, lm, state
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+STEPS = [
+    ("environment", step_environment, "versions, device name, memory, nominal HBM bandwidth"),
+    ("models", step_models, "random Qwen2.5-0.5B and R1-Distill-1.5B shaped models saved locally"),
+    ("parity", step_parity, "every Triton path vs its torch reference at V=151936, bf16 and fp32, values + grads"),
+    ("bench_kernels", step_bench_kernels, "bench/kernels.py on CUDA; log-prob kernel bandwidth vs peak"),
+    ("collectives", step_collectives, "all_reduce_sum/max, broadcast_json on a real 1-rank NCCL group"),
+    ("fsdp", step_fsdp, "1-rank FSDP2 bf16 steps, with and without activation checkpointing, 16384 tokens"),
+    ("push", step_push, "gather + cast + write + hash of the 0.5B and 1.5B weights"),
+]
+
+
+def run_step(name: str, args) -> dict:
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1" if args.smoke else "0"  # the CPU has Triton only through the interpreter
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    cmd = [sys.executable, __file__, "--step", name, "--work", args.work] + (["--smoke"] if args.smoke else [])
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.step_timeout_s)
+    seconds = round(time.time() - t0, 2)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return dict(status="error", seconds=seconds, error=(proc.stderr or proc.stdout)[-3000:])
+    result = json.loads(lines[-1])
+    failed = result.get("ok") is False
+    return dict(status="FAIL" if failed else "ok", seconds=seconds, result=result)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="list the steps and exit")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (checks the script itself)")
+    ap.add_argument("--only", nargs="*", default=None, help="run these steps (models is added when needed)")
+    ap.add_argument("--out", default=None, help="report path (default: $OUT/gpu_check.json or runs/gpu_check/report.json)")
+    ap.add_argument("--work", default=str(ROOT / "runs" / "gpu_check"), help="models and scratch files")
+    ap.add_argument("--step", help=argparse.SUPPRESS)
+    ap.add_argument("--step-timeout-s", type=int, default=900)
+    args = ap.parse_args(argv)
+    steps = dict((name, fn) for name, fn, _ in STEPS)
+    if args.step:
+        try:
+            print(json.dumps(steps[args.step](args), default=str))
+        except Exception:
+            traceback.print_exc()
+            return 1
+        return 0
+    chosen = [name for name, _, _ in STEPS if args.only is None or name in args.only]
+    if any(n in chosen for n in ("fsdp", "push")) and "models" not in chosen:
+        chosen.insert(0, "models")
+    if args.dry_run:
+        print(f"gpu_check: {len(chosen)} steps (each in its own process; report: one JSON file)")
+        for name, _, what in STEPS:
+            if name in chosen:
+                print(f"  {name:<14} {what}")
+        return 0
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    out = Path(args.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT")
+                            else Path(args.work) / "report.json"))
+    report = {"smoke": args.smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": {}}
+    for name in chosen:
+        print(f"[gpu_check] {name} ...", flush=True)
+        report["steps"][name] = r = run_step(name, args)
+        print(f"[gpu_check] {name}: {r['status']} in {r['seconds']} s", flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1, default=str))  # after every step: a cut-off run keeps its figures
+    bad = [n for n, r in report["steps"].items() if r["status"] != "ok"]
+    report["failed"] = bad
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps({"report": str(out), "failed": bad,
+                      "seconds": sum(r["seconds"] for r in report["steps"].values())}))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
