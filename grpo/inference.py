@@ -101,7 +101,8 @@ def check_context_fits(cfg: ServerConfig, longest_prompt: int, budgets: dict[str
 
 def serving_dtype(cfg: ServerConfig, model_dir: str | os.PathLike) -> torch.dtype:
     """The dtype vLLM serves in (server.dtype; "auto" = the model directory's own dtype, else bf16),
-    so a push is cast once on the trainer and needs no conversion on the server."""
+    so a push is cast once on the trainer and needs no conversion on the server. A launched server
+    is given this dtype explicitly (never vLLM's own "auto" rule), and refuses pushes in any other."""
     names = {"float": "float32", "half": "float16"}
     if cfg.dtype != "auto":
         return getattr(torch, names.get(cfg.dtype, cfg.dtype))
@@ -191,7 +192,8 @@ class InferenceServer:
         fraction = gpu_memory_utilization or cfg.gpu_memory_utilization or 0.85
         cmd = [sys.executable, "-m", "grpo.server", "--model", str(model_dir), "--weights-root", str(root),
                "--token-file", str(token_file), "--port-file", str(server_dir / "port"), "--host", cfg.host,
-               "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
+               "--dtype", str(serving_dtype(cfg, model_dir)).removeprefix("torch."),
+               "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
                "--gpu-memory-utilization", str(fraction), "--keep-last", str(cfg.keep_last),
                "--parent-pid", str(os.getpid())]
         cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
@@ -222,8 +224,12 @@ class InferenceServer:
                  top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None,
                  seed: Optional[int] = None) -> GenerationResult:
         """client.generate, surviving the death of a launched server (restart, re-serve, retry once)."""
-        def call():
-            return self.client.generate(prompt_token_ids, n, max_tokens, temperature, top_p, stop_token_ids, seed)
+        return self._surviving(lambda: self.client.generate(prompt_token_ids, n, max_tokens, temperature, top_p,
+                                                            stop_token_ids, seed))
+
+    def _surviving(self, call):
+        """call(); if a launched server died under it (before, during or after a push), restart it,
+        re-serve what it served, and call once more. A refusal (4xx) is raised as it is."""
         try:
             return call()
         except ServerUnavailableError as e:
@@ -240,7 +246,7 @@ class InferenceServer:
         root = self._root if self.cfg.push_mode == "path" else self.run_dir / "weights"
         weights_dir = write_weights(state_dict, self.model_dir, root, version=version, step=step,
                                     dtype=self.serve_dtype, hash_algo=self.cfg.weights_hash)
-        reply = self._load(weights_dir, version, self.cfg.push_mode)
+        reply = self._surviving(lambda: self._load(weights_dir, version, self.cfg.push_mode))
         prune_weights(root, self.cfg.keep_last)
         return {**reply, "weights_dir": str(weights_dir), "seconds": time.perf_counter() - t0}
 
@@ -257,7 +263,7 @@ class InferenceServer:
     def serve(self, weights_dir: str | Path, version: int) -> dict:
         """Serve an existing directory written by write_weights as `version` (a resumed run re-serves
         alpha), uploaded so that where it lies does not matter."""
-        return self._load(Path(weights_dir), version, "bytes")
+        return self._surviving(lambda: self._load(Path(weights_dir), version, "bytes"))
 
     def weights_version(self) -> int:
         return self.client.weights_version()

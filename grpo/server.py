@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import hashlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -73,6 +74,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--parent-pid", type=int, help="exit when this process (the trainer) is gone")
+    p.add_argument("--upload-timeout-s", type=float, default=600.0, help="an upload's body must arrive within this")
     return p.parse_args(argv)
 
 
@@ -226,11 +228,19 @@ def _expected_tensors(model_dir: Path) -> dict[str, tuple[str, list[int]]]:
     return out
 
 
+def serving_dtype_name(dtype) -> str:
+    """The safetensors name ("F32", "BF16", ...) of the torch dtype the engine serves."""
+    from grpo.weight_sync import _ST_DTYPES
+
+    return _ST_DTYPES.get(dtype, "")
+
+
 class WeightsState:
     """What the engine serves now, and the one place that changes it."""
 
-    def __init__(self, engine, model_dir: Path, weights_root: Path, keep_last: int) -> None:
+    def __init__(self, engine, model_dir: Path, weights_root: Path, keep_last: int, dtype: str = "") -> None:
         self.engine = engine
+        self.dtype = dtype  # safetensors name of the dtype the engine serves ("F32", "BF16"): pushes must match
         self.model_dir = model_dir
         self.root = weights_root
         self.keep_last = keep_last
@@ -245,17 +255,31 @@ class WeightsState:
         tied = ties_word_embeddings(json.loads((model_dir / "config.json").read_text()))
         self.optional = {LM_HEAD_KEY} if tied else set()
 
+    def max_upload_bytes(self) -> Optional[int]:
+        """A bound on an upload's size: the served tensors at the serving dtype plus header room."""
+        from grpo.weight_sync import _ST_ITEMSIZE
+
+        if not self.expected or self.dtype not in _ST_ITEMSIZE:
+            return None
+        numel = sum(math.prod(shape) for _, shape in self.expected.values())
+        return numel * _ST_ITEMSIZE[self.dtype] + (1 << 20) + 512 * len(self.expected)
+
     def check_tensors(self, manifest: dict[str, Any]) -> None:
-        """Pushed tensors must be exactly the served model's (names, shapes): no partial or foreign push."""
+        """Pushed tensors must be exactly the served model's (names, shapes) in the served dtype: no
+        partial, foreign or silently converted push."""
         from grpo.weight_sync import WeightPushError, read_safetensors_header
 
         if not self.expected:
             return
         pushed = {}
         for entry in manifest["files"]:
-            if entry["name"].endswith(".safetensors"):
-                for name, info in read_safetensors_header(Path(manifest["path"]) / entry["name"]).items():
-                    pushed[name] = list(info["shape"])
+            if not entry["name"].endswith(".safetensors"):
+                continue
+            for name, info in read_safetensors_header(Path(manifest["path"]) / entry["name"]).items():
+                if self.dtype and info["dtype"] != self.dtype:
+                    raise WeightPushError(f"tensor {name}: dtype {info['dtype']}, the server serves {self.dtype} "
+                                          f"(cast on the trainer; the server does not convert)")
+                pushed[name] = list(info["shape"])
         missing = sorted(set(self.expected) - set(pushed) - self.optional)
         unknown = sorted(set(pushed) - set(self.expected) - self.optional)
         if missing or unknown:
@@ -269,7 +293,7 @@ class WeightsState:
 
     async def load(self, manifest: dict[str, Any], hashes_checked: bool) -> dict[str, Any]:
         """Load a checked directory; on any failure restore the previous weights and raise."""
-        from grpo.weight_sync import SERVING_MARKER, WeightPushError, check_hashes
+        from grpo.weight_sync import SERVING_MARKER, WeightPushError, check_finite, check_hashes
 
         path, version = Path(manifest["path"]), manifest["version"]
         async with self.gate.writing():
@@ -279,8 +303,14 @@ class WeightsState:
                 raise WeightPushError(f"version {version} is not newer than the served version {self.version}")
             t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
-            # The hash is checked in a thread while the engine process loads: the two overlap.
-            hash_job = None if hashes_checked else loop.run_in_executor(None, _timed, check_hashes, manifest)
+            # Hash and finiteness are checked in a thread while the engine process loads: they overlap,
+            # and a failure rolls the engine back below.
+            def verify() -> None:
+                if not hashes_checked:
+                    check_hashes(manifest)
+                check_finite(manifest)
+
+            hash_job = loop.run_in_executor(None, _timed, verify)
             load_error: Optional[BaseException] = None
             try:
                 await self._reload(path)
@@ -334,7 +364,7 @@ class PushRequest(BaseModel):
     version: int = Field(ge=0)
 
 
-def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
+def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload_timeout_s: float = 600.0):
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse
 
@@ -461,6 +491,9 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
         length = request.headers.get("content-length")
         if length is None or not length.isdigit():
             return error(411, "Content-Length is required")
+        bound = state.max_upload_bytes()
+        if bound is not None and int(length) > bound:
+            return error(413, f"upload of {length} bytes is larger than the served model can be ({bound} bytes)")
         final = state.root / weights_dir_name(version)
         if version == state.version and state.serving_dir == final and state.served_digest == digest:
             return {"version": version, "seconds": 0.0, "bytes": 0, "unchanged": True}  # a retried push
@@ -468,16 +501,24 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
             return error(409, f"version {version} is not newer than the served version {state.version}")
         if final.exists():
             return error(409, f"{final} exists already (another upload of version {version}?)")
+        # Per-request names: a failing request removes only what it created itself.
         tmp = state.root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir(mode=0o700, parents=True)
+        renamed = False
         try:
             received = 0
             fd = os.open(tmp / WEIGHTS_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                async for chunk in request.stream():
-                    hasher.update(chunk)
-                    os.write(fd, chunk)
-                    received += len(chunk)
+                async with asyncio.timeout(upload_timeout_s):
+                    async for chunk in request.stream():
+                        hasher.update(chunk)
+                        os.write(fd, chunk)
+                        received += len(chunk)
+                        if received > int(length):
+                            raise WeightPushError(f"upload is longer than its Content-Length ({length} bytes)")
+            except TimeoutError:
+                return error(408, f"upload of version {version} did not arrive within {upload_timeout_s:g} s "
+                                  f"({received} of {length} bytes)")
             finally:
                 os.close(fd)
             if received != int(length):
@@ -491,14 +532,19 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int):
             manifest = {"format": MANIFEST_FORMAT, "version": version, "step": step, "hash": hash,
                         "files": [{"name": WEIGHTS_FILE, "bytes": received, hash: digest}]}
             (tmp / MANIFEST_NAME).write_text(json.dumps(manifest) + "\n")
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)  # atomic; fails if a concurrent upload of this version got there first
+            except OSError:
+                return error(409, f"{final} exists already (a concurrent upload of version {version})")
+            renamed = True
             manifest = check_weights_dir(final, state.root)
             state.check_tensors(manifest)
             result = await state.load(manifest, hashes_checked=True)
             prune_weights(state.root, state.keep_last)  # this server owns uploaded directories
             return result
         except WeightPushError as e:
-            shutil.rmtree(final if final.exists() and state.serving_dir != final else tmp, ignore_errors=True)
+            if renamed and state.serving_dir != final:
+                shutil.rmtree(final, ignore_errors=True)
             return error(409 if "not newer" in str(e) else 400, str(e))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -542,15 +588,15 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
         Path(tmp).write_text(f"{port}\n")
         os.replace(tmp, ns.port_file)
     args = vllm_args(ns, port)
-    root = Path(ns.weights_root)
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    root = Path(ns.weights_root)  # checked by main()
     async with build_async_engine_client(args) as engine:
         tasks = await engine.get_supported_tasks()
         app = build_app(args, tasks, engine.model_config)
         await init_app_state(engine, app.state, args, tasks)
-        state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last)
+        state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last,
+                             dtype=serving_dtype_name(engine.model_config.dtype))
         vocab = engine.model_config.get_vocab_size()
-        app.include_router(make_router(state, vocab, engine.model_config.max_model_len))
+        app.include_router(make_router(state, vocab, engine.model_config.max_model_len, ns.upload_timeout_s))
         guarded = Guarded(app, BearerAuth(GateRequests(app, state.gate), token))
         print(f"[grpo.server] serving {ns.model} on http://{ns.host}:{port} (weights root {root})", flush=True)
         shutdown = await serve_http(guarded, sock=sock, host=ns.host, port=port, log_level="warning",
@@ -571,6 +617,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     if ns.cpu_threads:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ns.cpu_threads
     die_with_parent(ns.parent_pid)
+    from grpo.weight_sync import WeightPushError, check_weights_root
+
+    try:  # before the engine starts: a root someone else could write to is refused in one line
+        check_weights_root(ns.weights_root)
+    except WeightPushError as e:
+        print(f"[grpo.server] {e}", file=sys.stderr)
+        sys.exit(2)
     import uvloop
 
     uvloop.run(serve(ns, token))

@@ -307,6 +307,43 @@ def check_hashes(manifest: dict[str, Any]) -> None:
                 f"{real / entry['name']}: {algo} mismatch (manifest {entry[algo][:16]}..., file {actual[:16]}...)")
 
 
+def check_finite(manifest: dict[str, Any]) -> None:
+    """Every floating tensor of the listed safetensors files is finite; raises WeightPushError naming
+    the first tensor that holds NaN or Inf (a diverged trainer's push must not reach the sampler)."""
+    from safetensors import safe_open
+
+    real = Path(manifest["path"])
+    for entry in manifest["files"]:
+        if not entry["name"].endswith(".safetensors"):
+            continue
+        with safe_open(str(real / entry["name"]), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise WeightPushError(f"tensor {name}: holds NaN or Inf values")
+
+
+def check_weights_root(root: str | os.PathLike) -> Path:
+    """The weights root is this user's own real directory that no one else can write: else another
+    local user could plant or swap weights that then pass verification. Created 0700 if missing."""
+    root = Path(root)
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        root.mkdir(parents=True, mode=0o700)
+        st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode):
+        raise WeightPushError(f"weights root {root}: is a symlink; refusing to follow it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise WeightPushError(f"weights root {root}: not a directory")
+    if st.st_uid != os.getuid():
+        raise WeightPushError(f"weights root {root}: owned by uid {st.st_uid}, not by this user ({os.getuid()})")
+    if st.st_mode & 0o022:
+        raise WeightPushError(f"weights root {root}: writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+                              f"chmod go-w it or use another directory")
+    return root
+
+
 def verify_weights_dir(path: str | os.PathLike, root: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a complete, intact weights directory under `root` (with 'path' added).
 

@@ -343,6 +343,130 @@ def test_config_validation():
     ServerConfig(url="http://10.0.0.2:8000", push_mode="bytes")
 
 
+
+def _serves_and_generates(server, tiny, version, served):
+    assert server.client.weights_version() == version
+    assert _greedy(server.client, tiny["prompt_ids"]) == (served, version)
+
+
+@pytest.mark.vllm
+def test_pushes_of_the_wrong_dtype_or_with_nan_are_refused(server, tiny):
+    """F16/I32 tensors were accepted and cast; NaN/Inf were accepted, after which every generation
+    answered 400 while health stayed 200. Now each is refused and the old version keeps serving."""
+    client, root = server.client, server.weights_root
+    current = _push_next(server, _perturbed(tiny["hf"], seed=11))
+    served, _ = _greedy(client, tiny["prompt_ids"])
+    sd = _perturbed(tiny["hf"], seed=12)
+    v = current + 1
+    name = next(k for k in sd if k.endswith("mlp.down_proj.weight"))
+    cases = [(sd, torch.float16, "dtype F16, the server serves F32"), (sd, torch.bfloat16, "dtype BF16")]
+    for bad in (float("nan"), float("inf")):
+        poisoned = dict(sd)
+        poisoned[name] = sd[name].clone()
+        poisoned[name][0, 0] = bad
+        cases.append((poisoned, torch.float32, f"{name}: holds NaN or Inf"))
+    for state, dtype, match in cases:
+        for mode in ("path", "bytes"):  # path: written in the root; bytes: uploaded from elsewhere
+            d = write_weights(state, tiny["model_dir"], root if mode == "path" else tiny["base"] / "staging",
+                              version=v, step=0, dtype=dtype)
+            with pytest.raises(InferenceServerError, match=match) as e:
+                client.push_weights(d, version=v, mode=mode)
+            assert e.value.status == 400
+            _serves_and_generates(server, tiny, current, served)
+            v += 1
+    # and a good push after them still heals nothing that was broken: it simply serves
+    good = write_weights(sd, tiny["model_dir"], root, version=v, step=0, dtype=torch.float32)
+    assert client.push_weights(good, version=v)["version"] == v
+    assert client.weights_version() == v
+
+
+@pytest.mark.vllm
+def test_oversized_upload_is_refused_before_it_is_read(server, tiny):
+    current = _push_next(server, _perturbed(tiny["hf"], seed=13))
+    served, _ = _greedy(server.client, tiny["prompt_ids"])
+    model_bytes = sum(f.stat().st_size for f in tiny["model_dir"].glob("*.safetensors"))
+    body = b"\0" * (3 * model_bytes)
+    with pytest.raises(InferenceServerError, match="larger than the served model") as e:
+        server.client.request("POST", f"/grpo/weights/upload?version={current + 1}&digest={'0' * 64}",
+                              data=body, headers={"Content-Type": "application/octet-stream"})
+    assert e.value.status == 413
+    _serves_and_generates(server, tiny, current, served)
+
+
+@pytest.mark.vllm
+def test_concurrent_uploads_of_one_version_give_one_success_and_one_409(server, tiny):
+    """Two uploads of the same version: one is served, the other gets 409 (never 500), and the
+    failing one does not delete the good one's files."""
+    current = _push_next(server, _perturbed(tiny["hf"], seed=14))
+    v = current + 1
+    sd = _perturbed(tiny["hf"], seed=15)
+    dirs = [write_weights(sd, tiny["model_dir"], tiny["base"] / f"up{j}", version=v, step=0, dtype=torch.float32)
+            for j in range(2)]
+    results = [None, None]
+
+    def upload(j):
+        try:
+            results[j] = server.client.push_weights(dirs[j], version=v, mode="bytes")
+        except InferenceServerError as e:
+            results[j] = e
+
+    threads = [threading.Thread(target=upload, args=(j,)) for j in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = [r for r in results if isinstance(r, dict)]
+    refused = [r for r in results if isinstance(r, InferenceServerError)]
+    assert len(ok) >= 1 and all(r.status == 409 for r in refused), results
+    assert ok[0]["version"] == v or ok[0].get("unchanged")
+    assert server.client.weights_version() == v
+    from grpo.weight_sync import weights_dir_name
+
+    served_dir = server.weights_root / weights_dir_name(v)
+    assert (served_dir / "model.safetensors").is_file() and (served_dir / "manifest.json").is_file()
+    hf = tiny["hf"]
+    assert _greedy(server.client, tiny["prompt_ids"])[0] == _hf_greedy(
+        hf, sd, tiny["prompt_ids"], 12, tiny["tok"].eos_token_id)
+
+
+def test_weights_root_must_be_own_private_directory(tmp_path):
+    from grpo.weight_sync import WeightPushError, check_weights_root
+
+    made = check_weights_root(tmp_path / "fresh")
+    assert (os.stat(made).st_mode & 0o777) == 0o700
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(WeightPushError, match="symlink"):
+        check_weights_root(tmp_path / "link")
+    (tmp_path / "open").mkdir()
+    os.chmod(tmp_path / "open", 0o777)
+    with pytest.raises(WeightPushError, match="writable by group or others"):
+        check_weights_root(tmp_path / "open")
+    # the server refuses such a root in one line, exit 2, before its engine starts
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    os.chmod(token, 0o600)
+    proc = subprocess.run([sys.executable, "-m", "grpo.server", "--model", str(tmp_path), "--weights-root",
+                           str(tmp_path / "link"), "--token-file", str(token)], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 2 and "symlink" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+
+
+@pytest.mark.vllm
+def test_server_killed_before_a_push_is_restarted_by_the_push(server, tiny):
+    """The push had no restart path: ServerUnavailableError ended the run. Now the push restarts
+    the server (re-serving the old version first) and then serves the new one."""
+    current = _push_next(server, _perturbed(tiny["hf"], seed=16))
+    sd = _perturbed(tiny["hf"], seed=17)
+    old_pid = server.pid
+    os.kill(old_pid, signal.SIGKILL)
+    out = server.push(sd, current + 1, step=0)
+    assert out["version"] == current + 1 and server.pid != old_pid
+    assert server.client.weights_version() == current + 1
+    assert _greedy(server.client, tiny["prompt_ids"])[0] == _hf_greedy(
+        tiny["hf"], sd, tiny["prompt_ids"], 12, tiny["tok"].eos_token_id)
+
+
 @pytest.mark.vllm
 def test_stop_leaves_no_process(server):
     """Last in the file: it stops the module's server."""
