@@ -127,6 +127,18 @@ def _run_on_rank0(fn, what: str):
 # files: fsync, hashing, manifest
 
 
+def _link_or_copy_tree(source: Path, dest: Path) -> None:
+    """dest <- the files of source: hard links on the same filesystem (free), else copies (e.g.
+    from /dev/shm to disk). Weight files are never modified in place, so a link is a snapshot."""
+    dest.mkdir(parents=True)
+    for f in sorted(source.iterdir()):
+        if f.is_file() and not f.is_symlink():
+            try:
+                os.link(f, dest / f.name)
+            except OSError:
+                shutil.copyfile(f, dest / f.name)
+
+
 def _build_manifest(ckpt: Path, step: int, has_optimizer: bool, has_ref_model: bool) -> dict:
     files = {}
     for p in sorted(ckpt.rglob("*")):
@@ -284,8 +296,12 @@ class Checkpointer:
             state["ref_model"] = get_model_state_dict(ref_model)
         return state
 
-    def save(self, step: int, model, optimizer, ref_model=None, trainer_state: Optional[dict] = None) -> Path:
-        """Write checkpoint `step_<step>` (all ranks call) and prune to keep_last; returns its path."""
+    def save(self, step: int, model, optimizer, ref_model=None, trainer_state: Optional[dict] = None,
+             extra_dirs: Optional[dict[str, str | os.PathLike]] = None) -> Path:
+        """Write checkpoint `step_<step>` (all ranks call) and prune to keep_last; returns its path.
+        `extra_dirs` (name -> a directory on rank 0, e.g. the sampler alpha's weights inside a
+        v-window) are stored in it under `name/` (hard links where the filesystem allows, else
+        copies) and covered by its manifest like every other file."""
         trainer_state = {} if trainer_state is None else trainer_state
         bad = _first_unjsonable(trainer_state, "trainer_state")
         if bad:
@@ -311,6 +327,8 @@ class Checkpointer:
         _barrier()
 
         def finalize():
+            for name, source in (extra_dirs or {}).items():
+                _link_or_copy_tree(Path(source), tmp / name)
             write_durable(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1) + "\n")
             manifest = json.dumps(_build_manifest(tmp, step, optimizer is not None, ref_model is not None), indent=1) + "\n"
             write_durable(tmp / MANIFEST, manifest)
