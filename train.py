@@ -21,6 +21,7 @@ import math
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -79,6 +80,9 @@ def build_policy(cfg: TrainConfig, device: torch.device, trainable: bool) -> Pol
     return shard_model(policy, lm, param_dtype, cfg.model.activation_checkpointing and trainable)
 
 
+ALPHA_DIR = "alpha"  # in a checkpoint saved inside a v-window: the weights the server sampled from
+
+
 class StopFlag:
     """Ctrl-C / SIGTERM: finish the current iteration, checkpoint, exit (agreed by all ranks)."""
 
@@ -114,8 +118,10 @@ class Run:
     scorer: Optional[RewardScorer] = None
     sampler: Optional[PromptSampler] = None
     eval_problems: Optional[list] = None
+    ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
 
     def close(self) -> None:
+        self.ahead.close()
         self.logger.close()
         if self.server is not None:
             self.server.stop()
@@ -163,6 +169,8 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         saved = run.checkpointer.load(latest, policy, optimizer, ref_policy)
         run.scheduler.load_state_dict(saved["scheduler"])
         progress = Progress.from_json(saved["progress"])
+        if (latest / ALPHA_DIR).is_dir():  # saved inside a v-window: alpha's weights travel with it
+            progress = replace(progress, weights_dir=str(latest / ALPHA_DIR))
         if info.is_main:
             run.sampler.load_state_dict(saved["sampler"])
         run.logger.truncate_after(progress.step)
@@ -237,26 +245,77 @@ def batch_seed(cfg: TrainConfig, stage: int, k: int) -> int:
 
 
 def sample_batch(run: Run, progress: Progress, seed: int) -> Rollout:
-    """Rank 0 samples the next prompts, G completions each from alpha, scores them; every rank
-    gets the rollout."""
+    """Rank 0 samples the next prompts, G completions each from alpha, scores them (or takes the
+    batch sampled ahead, waiting for it); every rank gets the rollout."""
     rollout = None
     if run.dist.is_main:
-        problems = run.sampler.next_batch()
-        rollout = sample_rollout(run.server, problems, run.tokenizer, run.cfg, run.scorer, seed,
-                                 expected_version=progress.weights_version).to_json()
+        t0 = time.time()
+        pending = run.ahead.take(seed)
+        rollout = pending.result() if pending else sample_rollout(
+            run.server, run.sampler.next_batch(), run.tokenizer, run.cfg, run.scorer, seed,
+            expected_version=progress.weights_version)
+        rollout.stats["time_wait_generate"] = time.time() - t0  # what the trainer waited for samples
+        rollout = rollout.to_json()
     return Rollout.from_json(broadcast_json(rollout))
+
+
+class SampleAhead:
+    """Inside a v-window alpha stays fixed, so batch k+1 does not depend on the update on batch k:
+    rank 0 generates and scores it in a thread while every rank trains on batch k. Batches stay a
+    function of (weights version, prompts, seed), so the run is the same with it on or off. A
+    checkpoint stores the prompt cursor from before the early draw: the batch is sampled again
+    on resume, never saved."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sample-ahead")
+        self.pending = None  # (seed, Future[Rollout], the prompt sampler's state before the draw)
+
+    @staticmethod
+    def wanted(cfg: TrainConfig, k_next: int) -> bool:
+        """Sample batch k_next early? Only when no push (k mod v == 0) separates it from now."""
+        on = cfg.grpo.sample_ahead if cfg.grpo.sample_ahead is not None else cfg.grpo.v > 1
+        return on and k_next < cfg.grpo.M and k_next % cfg.grpo.v != 0
+
+    def start(self, run: Run, progress: Progress, seed: int) -> None:
+        state_before = run.sampler.state_dict()
+        problems = run.sampler.next_batch()
+        future = self.pool.submit(sample_rollout, run.server, problems, run.tokenizer, run.cfg, run.scorer, seed,
+                                  expected_version=progress.weights_version)
+        self.pending = (seed, future, state_before)
+
+    def take(self, seed: int):
+        """The pending batch if it is the one with this seed (else None)."""
+        pending, self.pending = self.pending, None
+        return pending[1] if pending and pending[0] == seed else None
+
+    def sampler_state(self, sampler: PromptSampler) -> dict:
+        return self.pending[2] if self.pending else sampler.state_dict()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def plan_batch(run: Run, rollout: Rollout) -> tuple[list[MicroBatch], tuple[int, int]]:
     """This rank's share in micro-batches of <= optim.token_budget padded tokens, as many on every
-    rank, and the whole batch's (num_seqs, num_tokens) denominators (summed over ranks)."""
+    rank (at least one), and the whole batch's (num_seqs, num_tokens) denominators (summed over ranks).
+
+    Sequences that contribute nothing (eq. 8 masked groups, RED-dropped, truncated-masked) are
+    counted in the denominators as objective.count_masked says, but never run forward or backward:
+    their loss and gradient are exactly zero, so the update is the same (SmolLM2 on GSM8K has
+    87-100% of its groups masked)."""
     cfg = run.cfg
     samples = shard_samples(rollout.samples, run.dist.rank, run.dist.world_size)
-    plan = plan_micro_batches([len(s.prompt_ids) + len(s.completion_ids) for s in samples], cfg.optim.token_budget)
-    plan = equalize_micro_batches(plan, int(all_reduce_max(len(plan))))
-    micro_batches = [collate([samples[j] for j in idx], run.tokenizer.pad_token_id, run.dist.device) for idx in plan]
-    local = [O.local_denominators(mb.completion_mask, mb.seq_weight, cfg.objective, mb.truncated) for mb in micro_batches]
-    totals = all_reduce_sum({"seqs": sum(a for a, _ in local), "tokens": sum(b for _, b in local)})
+    everything = collate(samples, run.tokenizer.pad_token_id, torch.device("cpu"))
+    seqs, tokens = O.local_denominators(everything.completion_mask, everything.seq_weight, cfg.objective,
+                                        everything.truncated)
+    keep = O.contributing(everything.completion_mask, everything.seq_weight, cfg.objective, everything.truncated)
+    live = [s for s, k in zip(samples, keep.tolist()) if k]
+    plan = plan_micro_batches([len(s.prompt_ids) + len(s.completion_ids) for s in live], cfg.optim.token_budget)
+    # one (possibly empty) micro-batch at least: every parameter then gets a gradient (zero when all
+    # is masked), so the optimizer step is the one the full forward would give
+    plan = equalize_micro_batches(plan, max(int(all_reduce_max(len(plan))), 1))
+    micro_batches = [collate([live[j] for j in idx], run.tokenizer.pad_token_id, run.dist.device) for idx in plan]
+    totals = all_reduce_sum({"seqs": seqs, "tokens": tokens})
     return micro_batches, (max(int(totals["seqs"]), 1), max(int(totals["tokens"]), 1))
 
 
@@ -302,7 +361,8 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
         (out.loss * run.dist.world_size).backward()
         if first:
             cache.logp_k.append(out.logp)
-            entropy_sum = entropy_sum + out.entropy.sum()
+            # over active tokens, like every statistic of the objective (it is divided by their count)
+            entropy_sum = entropy_sum + (out.entropy * (weights != 0)).sum()
         totals = out.stats if totals is None else O.merge_stats(totals, out.stats)
     if first:
         cache.entropy_sum = all_reduce_sum({"entropy": entropy_sum})["entropy"]
@@ -354,9 +414,13 @@ def evaluate_policy(run: Run, progress: Progress) -> None:
 
 def save_checkpoint(run: Run, progress: Progress) -> None:
     """Collective: model, optimizer, pi_ref, RNG, progress, the data cursor and the LR schedule."""
-    sampler_state = broadcast_json(run.sampler.state_dict() if run.dist.is_main else None)
+    sampler_state = broadcast_json(run.ahead.sampler_state(run.sampler) if run.dist.is_main else None)
     state = {"progress": progress.to_json(), "sampler": sampler_state, "scheduler": run.scheduler.state_dict()}
-    run.checkpointer.save(progress.step, run.policy, run.optimizer, run.ref_policy, trainer_state=state)
+    # Inside a v-window the sampler alpha is not pi_theta: keep its exact weights with the
+    # checkpoint (the server's copy dies with the server) so a resume samples from alpha again.
+    inside_window = progress.iteration % run.cfg.grpo.v != 0 and progress.weights_dir
+    run.checkpointer.save(progress.step, run.policy, run.optimizer, run.ref_policy, trainer_state=state,
+                          extra_dirs={ALPHA_DIR: progress.weights_dir} if inside_window else None)
 
 
 def finish(run: Run, progress: Progress) -> None:
@@ -394,6 +458,8 @@ def main(argv=None) -> int:
 
                 # B prompts x G completions from alpha; rewards, advantages (eq. 2), mask (eq. 8)
                 rollout = sample_batch(run, progress, batch_seed(cfg, stage, k))
+                if run.dist.is_main and SampleAhead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
+                    run.ahead.start(run, progress, batch_seed(cfg, stage, k + 1))
                 micro_batches, denominators = plan_batch(run, rollout)
 
                 # i SGD iterations on this batch (pi_k = the policy before the first of them)

@@ -238,6 +238,15 @@ def local_denominators(completion_mask: Tensor, seq_weight: Tensor, cfg: Objecti
     return int(counted.sum()), int((mask * counted.unsqueeze(1)).sum())
 
 
+def contributing(completion_mask: Tensor, seq_weight: Tensor, cfg: ObjectiveConfig,
+                 truncated: Optional[Tensor] = None) -> Tensor:
+    """[B] bool: the sequences whose tokens can have nonzero weight. The others (eq. 8 masked
+    groups, RED-dropped, truncated-masked) contribute exactly zero loss and gradient, KL included:
+    eq. 8's indicator multiplies the whole per-prompt term, so a trainer may skip their forward."""
+    _, seq_w = _effective_mask(completion_mask, seq_weight, cfg, truncated)
+    return seq_w != 0
+
+
 def token_weights(completion_mask: Tensor, seq_weight: Tensor, cfg: ObjectiveConfig, *, num_seqs: int,
                   num_tokens: int, max_len: int, truncated: Optional[Tensor] = None) -> Tensor:
     """[B, T] weights w such that the loss of a (micro-)batch is sum(per_token_loss * w).

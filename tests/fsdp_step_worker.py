@@ -3,7 +3,10 @@
     torchrun --nproc_per_node=N tests/fsdp_step_worker.py MODEL_DIR OUT_JSON BATCH [key=value ...]
 
 BATCH: "fixed" (random lengths) or "skewed" (the first half of the groups long, one sequence longer
-than a small token budget, the second half short: ranks plan different micro-batch counts).
+than a small token budget, the second half short: ranks plan different micro-batch counts), or
+"masked" / "allmasked" (every other group / every group with one reward for all its completions:
+zero variance, masked by eq. 8 when objective.mask_zero_variance is on). With GRPO_NO_SKIP=1 in the
+environment, masked sequences run forward and backward like the others (the reference for the skip).
 Runs train.py's own steps (plan_batch, sgd_iteration, optimizer_step) on a seeded batch, so the
 1-rank and 2-rank results can be compared number for number.
 """
@@ -27,10 +30,14 @@ from grpo.rollout import Rollout, Sample  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
 
 
-def fixed_batch(vocab: int, prompts: int, G: int, skewed: bool = False) -> list[Sample]:
+def fixed_batch(vocab: int, prompts: int, G: int, skewed: bool = False, masked: str = "",
+                objective: O.ObjectiveConfig = O.ObjectiveConfig()) -> list[Sample]:
     rng = random.Random(0)
     rewards = [float(rng.random() < 0.5) for _ in range(prompts * G)]
-    adv, seq_w, _ = O.group_advantages(torch.tensor(rewards, dtype=torch.float64), G, O.ObjectiveConfig())
+    for j in range(prompts * G):
+        if masked == "allmasked" or (masked == "masked" and (j // G) % 2 == 0):
+            rewards[j] = float((j // G) % 3 == 0)  # one value per group
+    adv, seq_w, _ = O.group_advantages(torch.tensor(rewards, dtype=torch.float64), G, objective)
     samples = []
     for j in range(prompts * G):
         long = skewed and j < prompts * G // 2
@@ -55,7 +62,10 @@ def main():
     run = SimpleNamespace(cfg=cfg, dist=info, policy=policy, ref_policy=ref, optimizer=optimizer,
                           scheduler=build_scheduler(optimizer, 10, cfg.optim), tokenizer=SimpleNamespace(pad_token_id=0))
     vocab = policy.lm.config.vocab_size
-    batch = fixed_batch(vocab, cfg.grpo.batch_prompts, cfg.grpo.G, skewed=batch_kind == "skewed")
+    if os.environ.get("GRPO_NO_SKIP") == "1":  # the reference: every sequence runs forward and backward
+        O.contributing = lambda completion_mask, *a, **k: torch.ones(completion_mask.shape[0], dtype=torch.bool)
+    batch = fixed_batch(vocab, cfg.grpo.batch_prompts, cfg.grpo.G, skewed=batch_kind == "skewed",
+                        masked=batch_kind if "masked" in batch_kind else "", objective=cfg.objective)
     mbs, denominators = train.plan_batch(run, Rollout(batch, {}, []))
     cache, losses, norms, entropies = train.BatchCache(), [], [], []
     for it in range(cfg.grpo.i):
@@ -63,7 +73,7 @@ def main():
         grad_norm, finite = train.optimizer_step(run)
         losses.append(float(stats["loss"]))
         norms.append(grad_norm)
-        entropies.append(entropy_sum / float(stats["num_tokens"]))  # what train.py logs at each step
+        entropies.append(entropy_sum / max(float(stats["num_tokens"]), 1.0))  # what train.py logs at each step
     full = gather_full_state_dict(policy.lm)
     # Padded tokens of each micro-batch of this rank, and whether it holds one sequence only.
     shapes = [[int(mb.input_ids.numel()), int(mb.completion_mask.shape[0])] for mb in mbs]

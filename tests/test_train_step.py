@@ -135,3 +135,45 @@ def test_activation_checkpointing_gives_the_same_step(results, tmp_path_factory)
     assert ac["losses"] == pytest.approx(two["losses"], rel=1e-6, abs=1e-8)
     assert ac["grad_norms"] == pytest.approx(two["grad_norms"], rel=1e-6)
     assert ac["param_abs_sum"] == pytest.approx(two["param_abs_sum"], rel=1e-9)
+
+
+def _run_pair(model_dir, tmp_path, nproc, batch, overrides, name):
+    """The same step with masked sequences skipped (the trainer) and run (GRPO_NO_SKIP=1)."""
+    skipped = run_worker(model_dir, tmp_path / f"{name}_skip.json", nproc, tmp_path, batch, overrides)
+    os.environ["GRPO_NO_SKIP"] = "1"
+    try:
+        full = run_worker(model_dir, tmp_path / f"{name}_full.json", nproc, tmp_path, batch, overrides)
+    finally:
+        del os.environ["GRPO_NO_SKIP"]
+    return skipped, full
+
+
+def _assert_same_step(skipped, full):
+    assert skipped["losses"] == pytest.approx(full["losses"], rel=1e-5, abs=1e-7)
+    assert skipped["grad_norms"] == pytest.approx(full["grad_norms"], rel=1e-5, abs=1e-9)
+    assert skipped["param_abs_sum"] == pytest.approx(full["param_abs_sum"], rel=1e-7)
+    assert skipped["entropies"] == pytest.approx(full["entropies"], rel=1e-5)
+
+
+@pytest.mark.parametrize("nproc,count_masked", [(1, True), (1, False), (2, False)])
+def test_skipping_masked_groups_gives_the_same_update(results, tmp_path, nproc, count_masked):
+    """eq. 8 multiplies the whole per-prompt term (KL included) by the indicator, so masked groups
+    contribute exactly zero: the trainer skips their forward/backward, and loss, gradient norm,
+    entropy and the updated weights equal those of running them (beta > 0, i = 2)."""
+    model_dir, _, _ = results
+    overrides = OVERRIDES + ["objective.mask_zero_variance=true", f"objective.count_masked={str(count_masked).lower()}"]
+    skipped, full = _run_pair(model_dir, tmp_path, nproc, "masked", overrides, f"m{nproc}{count_masked}")
+    _assert_same_step(skipped, full)
+    live = lambda r: sum(rows for rank in r["shapes"] for _, rows in rank)  # noqa: E731
+    assert live(skipped) < live(full)  # half the groups never ran
+
+
+def test_an_all_masked_batch_still_takes_the_optimizer_step(results, tmp_path):
+    """Nothing to run on any rank: one empty micro-batch per rank gives every parameter a zero
+    gradient, so AdamW's step (moments, decay) is exactly the full forward's."""
+    model_dir, _, _ = results
+    overrides = OVERRIDES + ["objective.mask_zero_variance=true", "optim.weight_decay=0.1"]
+    skipped, full = _run_pair(model_dir, tmp_path, 2, "allmasked", overrides, "all")
+    _assert_same_step(skipped, full)
+    assert skipped["losses"] == [0.0, 0.0]
+    assert skipped["micro_batches"] == 1 and all(rows == 0 for rank in skipped["shapes"] for _, rows in rank)
