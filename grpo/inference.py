@@ -29,7 +29,8 @@ import torch
 
 from grpo.client import GenerationResult, InferenceClient, InferenceServerError, ServerUnavailableError
 from grpo.supervisor import ServerProcess
-from grpo.weight_sync import prune_weights, write_weights
+from grpo.models import drop_tied_lm_head
+from grpo.weight_sync import fingerprint_mismatches, prune_weights, write_weights
 
 TOKEN_ENV = "GRPO_SERVER_TOKEN"
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -140,6 +141,10 @@ def _default_parent(run_dir: Path, need_bytes: int, keep_last: int) -> Path:
     return run_dir
 
 
+class WeightsMismatchError(InferenceServerError):
+    """The weights the engine reports holding are not those the trainer pushed: stop the run."""
+
+
 class InferenceServer:
     """A grpo.server child process (or an attached URL), its client, and the weights it serves."""
 
@@ -247,6 +252,11 @@ class InferenceServer:
         weights_dir = write_weights(state_dict, self.model_dir, root, version=version, step=step,
                                     dtype=self.serve_dtype, hash_algo=self.cfg.weights_hash)
         reply = self._surviving(lambda: self._load(weights_dir, version, self.cfg.push_mode))
+        if "fingerprint" in reply:
+            bad = fingerprint_mismatches(self._serving_view(state_dict), reply.pop("fingerprint"))
+            if bad:
+                raise WeightsMismatchError(f"push of version {version}: the engine holds other values than were "
+                                           f"pushed for {', '.join(bad)}")
         prune_weights(root, self.cfg.keep_last)
         return {**reply, "weights_dir": str(weights_dir), "seconds": time.perf_counter() - t0}
 
@@ -272,6 +282,13 @@ class InferenceServer:
         reply = self.client.push_weights(weights_dir, version, mode=mode)
         self._served = (weights_dir, version, mode)
         return reply
+
+    def _serving_view(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The pushed tensors as the engine received them: cast to the serving dtype (no copy when
+        the gather already cast them), a tied lm_head dropped as write_weights drops it."""
+        config = json.loads((Path(self.model_dir) / "config.json").read_text())
+        cast = {k: v.to(self.serve_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+        return drop_tied_lm_head(cast, config)
 
     # -- lifecycle
     def _report_restart(self, error: Exception) -> None:

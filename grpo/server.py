@@ -342,8 +342,14 @@ class WeightsState:
             self.broken = None  # a good push repairs a failed rollback
             if path.parent == Path(os.path.realpath(self.root)):
                 (self.root / SERVING_MARKER).write_text(path.name + "\n")
+            # What the engine holds now, from its own parameters: the trainer checks it against
+            # what it pushed (a load that silently skipped or altered a tensor is caught there).
+            t1 = time.perf_counter()
+            fingerprint = (await self.engine.collective_rpc("grpo_weights_fingerprint"))[0]
+            fingerprint_seconds = time.perf_counter() - t1
         return {"version": version, "seconds": seconds, "bytes": sum(f["bytes"] for f in manifest["files"]),
-                "reload_seconds": reload_seconds, "hash_seconds": hash_seconds}
+                "reload_seconds": reload_seconds, "hash_seconds": hash_seconds, "fingerprint": fingerprint,
+                "fingerprint_seconds": fingerprint_seconds}
 
 
 # ----------------------------------------------------------------------------- routes

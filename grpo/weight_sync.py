@@ -344,6 +344,36 @@ def check_weights_root(root: str | os.PathLike) -> Path:
     return root
 
 
+def fingerprint_mismatches(state_dict: dict[str, torch.Tensor], engine: dict, limit: int = 5) -> list[str]:
+    """Names of the engine parameters (vLLM's names) whose (numel, sum, sum of squares) differ from
+    those of the tensors the trainer pushed, folded into vLLM's packed modules (q/k/v_proj ->
+    qkv_proj, gate/up_proj -> gate_up_proj; `engine` is the server's fingerprint reply). A pushed
+    tensor the engine does not hold, or an engine parameter nothing was pushed for, is a mismatch too.
+    An engine parameter left empty (numel 0) is opaque and skipped: vLLM's CPU backend moves linear
+    weights into oneDNN's packed handles, out of reach of named_parameters (on CPU only embeddings,
+    norms and biases are checked; on GPU every parameter is)."""
+    renames = {sub: packed for packed, subs in engine.get("packed", {}).items() for sub in subs}
+    expected: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for name, t in state_dict.items():
+            parts = name.split(".")
+            key = ".".join(renames.get(p, p) if i == len(parts) - 2 else p for i, p in enumerate(parts))
+            acc = expected.setdefault(key, [0, 0.0, 0.0])
+            acc[0] += t.numel()
+            acc[1] += float(torch.sum(t, dtype=torch.float64))
+            acc[2] += float(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2)
+    held = {k: v for k, v in engine["params"].items() if v[0] > 0}
+    opaque = {k for k, v in engine["params"].items() if v[0] == 0}
+    bad = sorted((set(expected) - opaque) ^ set(held))
+    for name in sorted(set(expected) & set(held)):
+        (n_e, s_e, q_e), (n_h, s_h, q_h) = expected[name], held[name]
+        scale = (q_e * n_e) ** 0.5 + 1e-30  # >= sum |x|: bounds the rounding of either sum
+        # numel may differ by zero padding (same sums); values may not
+        if abs(s_e - s_h) > 1e-6 * scale or abs(q_e - q_h) > 1e-6 * max(q_e, 1e-30) or n_h < n_e:
+            bad.append(name)
+    return bad[:limit] if len(bad) <= limit else bad[:limit] + [f"... {len(bad) - limit} more"]
+
+
 def verify_weights_dir(path: str | os.PathLike, root: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a complete, intact weights directory under `root` (with 'path' added).
 

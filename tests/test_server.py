@@ -477,3 +477,28 @@ def test_stop_leaves_no_process(server):
     assert not group_alive(pgid)
     assert not (server.run_dir / "server" / "token").exists()
     assert not root.exists()  # the private weights root goes with it
+
+
+@pytest.mark.vllm
+def test_engine_fingerprint_matches_the_push_and_catches_a_different_load(server, tiny, monkeypatch):
+    """After each push the server reports (numel, sum, sum of squares) of every parameter its
+    engine holds; the trainer checks them against what it pushed. Here the file written differs
+    from the state dict the trainer believes it pushed (the hash is of the file, so nothing else
+    notices): the push stops with the tensor's name."""
+    import grpo.inference as inference
+    from grpo.inference import WeightsMismatchError
+
+    sd = _perturbed(tiny["hf"], seed=18)
+    version = _push_next(server, sd)  # a clean push passes the check
+    # a bias: vLLM's CPU backend packs linear weights into oneDNN handles the fingerprint cannot read
+    name = next(k for k in sd if k.endswith("layers.0.self_attn.k_proj.bias"))
+    real_write = inference.write_weights
+
+    def write_other(state_dict, *args, **kwargs):
+        other = dict(state_dict)
+        other[name] = state_dict[name] + 0.01
+        return real_write(other, *args, **kwargs)
+
+    monkeypatch.setattr(inference, "write_weights", write_other)
+    with pytest.raises(WeightsMismatchError, match=r"layers\.0\.self_attn\.qkv_proj\.bias"):
+        server.push(sd, version + 1, step=0)
