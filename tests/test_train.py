@@ -181,6 +181,27 @@ def test_resume_inside_a_v_window_samples_from_alpha_again(model_dir, tmp_path, 
     assert b[5]["weights_version"] == 1
     if mode == "default_root":
         _check_sample_ahead_changes_nothing(model_dir, tmp_path, common, a)
+        _check_server_deaths_change_nothing(model_dir, tmp_path, common, a)
+
+
+def _check_server_deaths_change_nothing(model_dir, tmp_path, common, uninterrupted):
+    """The server's whole process group SIGKILLed before the first push (at the first generation),
+    at the first push, and in the middle of a generation: the run finishes with every step and
+    the uninterrupted run's numbers (restart, alpha re-served, the batch sampled again with its
+    seed). Before, a death before the first push re-pushed Path("") and one at a push ended the run."""
+    cmd = [a if not a.endswith("train.py") else str(ROOT / "tests" / "fault_train.py")
+           for a in train_cmd(1, model_dir, tmp_path, "faults", *common)]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env(), "GRPO_TEST_FAULTS": "generate:1,push:1,generate_mid:5"},
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stderr.count("[fault_train] SIGKILL") == 3
+    assert proc.stderr.count("restarting it") == 3, proc.stderr[-4000:]
+    faulted = {r["step"]: r for r in read_rows(tmp_path / "faults") if "loss" in r}
+    assert sorted(faulted) == [1, 2, 3, 4, 5, 6]
+    for step, row in uninterrupted.items():
+        for key, value in row.items():
+            if not (key.startswith("time") or key in ("tokens_per_s", "sync_bytes")):
+                assert faulted[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
 
 
 def _check_sample_ahead_changes_nothing(model_dir, tmp_path, common, ahead):
