@@ -54,6 +54,7 @@ class ServerConfig:
     weights_hash: Literal["sha256", "blake3"] = "sha256"  # manifest checksum; blake3 is ~2.3x faster here
     startup_timeout_s: float = 600.0  # launch/restart waits this long for health, then shows the log
     request_timeout_s: float = 600.0  # one HTTP request (a whole generation batch) may take this long
+    upload_timeout_s: float = 600.0  # launched server: a bytes-mode upload's body must arrive within this
     retry_deadline_s: float = 60.0  # transient failures are retried with backoff for this long
     max_model_len: int = 2048  # prompt + completion tokens per sequence
     gpu_memory_utilization: Optional[float] = None  # vLLM's share of its GPU; None: 0.85 on its own GPU, 0.3 shared
@@ -77,7 +78,7 @@ class ServerConfig:
             raise ValueError(f"dtype: must be one of {list(_DTYPES)}, got {self.dtype!r}")
         if self.keep_last < 1:
             raise ValueError(f"keep_last: must be >= 1 (the served weights are kept), got {self.keep_last}")
-        for name in ("startup_timeout_s", "request_timeout_s", "retry_deadline_s"):
+        for name in ("startup_timeout_s", "request_timeout_s", "retry_deadline_s", "upload_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_model_len < 16:
@@ -200,7 +201,7 @@ class InferenceServer:
                "--dtype", str(serving_dtype(cfg, model_dir)).removeprefix("torch."),
                "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
                "--gpu-memory-utilization", str(fraction), "--keep-last", str(cfg.keep_last),
-               "--parent-pid", str(os.getpid())]
+               "--parent-pid", str(os.getpid()), "--upload-timeout-s", str(cfg.upload_timeout_s)]
         cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
         cmd += ["--enforce-eager"] if cfg.enforce_eager else []
         env = dict(os.environ)

@@ -40,7 +40,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny):
     cfg = ServerConfig(dtype="float32", max_model_len=256, kv_cache_gb=1, weights_root=str(tiny["base"] / "weights"),
-                       retry_deadline_s=5.0, startup_timeout_s=400.0, enforce_eager=True)
+                       retry_deadline_s=5.0, startup_timeout_s=400.0, enforce_eager=True, upload_timeout_s=6.0)
     with InferenceServer.launch(tiny["model_dir"], cfg, tiny["base"] / "run") as s:
         yield s
 
@@ -391,6 +391,28 @@ def test_oversized_upload_is_refused_before_it_is_read(server, tiny):
                               data=body, headers={"Content-Type": "application/octet-stream"})
     assert e.value.status == 413
     _serves_and_generates(server, tiny, current, served)
+
+
+@pytest.mark.vllm
+def test_an_upload_slower_than_its_time_bound_gets_408(server, tiny):
+    """A client that sends its headers and then stalls holds no upload slot forever."""
+    import http.client
+    import urllib.parse
+
+    current = _push_next(server, _perturbed(tiny["hf"], seed=19))
+    url = urllib.parse.urlparse(server.client.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.putrequest("POST", f"/grpo/weights/upload?version={current + 1}&digest={'0' * 64}")
+    conn.putheader("Authorization", server.client._session.headers["Authorization"])
+    conn.putheader("Content-Type", "application/octet-stream")
+    conn.putheader("Content-Length", "100000")
+    conn.endheaders()
+    conn.send(b"\0" * 1000)  # then nothing: the server gives up after upload_timeout_s (6 s here)
+    resp = conn.getresponse()
+    assert resp.status == 408 and b"did not arrive within" in resp.read()
+    conn.close()
+    assert server.client.weights_version() == current
+    assert not list(server.weights_root.glob(".tmp-*"))  # its temporary directory is gone
 
 
 @pytest.mark.vllm
