@@ -11,7 +11,7 @@ install:
 test: install
 	$(PY) -m pytest
 
-# Everything except the tests that start a real vLLM engine (~1 min on 2 cores).
+# Everything except the tests that start a real vLLM engine (~4 min on 2 cores).
 test-fast: install
 	$(PY) -m pytest -m "not vllm"
 
