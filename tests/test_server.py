@@ -490,18 +490,6 @@ def test_server_killed_before_a_push_is_restarted_by_the_push(server, tiny):
 
 
 @pytest.mark.vllm
-def test_stop_leaves_no_process(server):
-    """Last in the file: it stops the module's server."""
-    pgid = server.pid
-    assert group_alive(pgid)
-    root = server.weights_root
-    server.stop()
-    assert not group_alive(pgid)
-    assert not (server.run_dir / "server" / "token").exists()
-    assert not root.exists()  # the private weights root goes with it
-
-
-@pytest.mark.vllm
 def test_engine_fingerprint_matches_the_push_and_catches_a_different_load(server, tiny, monkeypatch):
     """After each push the server reports (numel, sum, sum of squares) of every parameter its
     engine holds; the trainer checks them against what it pushed. Here the file written differs
@@ -524,3 +512,16 @@ def test_engine_fingerprint_matches_the_push_and_catches_a_different_load(server
     monkeypatch.setattr(inference, "write_weights", write_other)
     with pytest.raises(WeightsMismatchError, match=r"layers\.0\.self_attn\.qkv_proj\.bias"):
         server.push(sd, version + 1, step=0)
+
+
+@pytest.mark.vllm
+@pytest.mark.last_in_module
+def test_stop_leaves_no_process(server):
+    """It stops the module's server, so conftest runs it after every other test of the module."""
+    pgid = server.pid
+    assert group_alive(pgid)
+    root = server.weights_root
+    server.stop()
+    assert not group_alive(pgid)
+    assert not (server.run_dir / "server" / "token").exists()
+    assert not root.exists()  # the private weights root goes with it
