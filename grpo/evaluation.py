@@ -31,7 +31,8 @@ class EvalConfig:
     max_tokens: int = 200  # completion length cap (the paper's context length on GSM8K: 200)
     n_problems: Optional[int] = None  # evaluate only this many problems (None: all of them)
     subset: str = "first"  # which problems when n_problems is set: "first" N, or "random" N (seeded)
-    seed: int = 0  # seed for the random subset (the engine's sampling seed is the server's)
+    seed: int = 0  # seeds the random subset and the engine's sampling (batch b: seed + b), so evals of two
+                   # checkpoints share their random numbers and a pass@1 difference is not sampling noise
     pass_k: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])  # k values for pass@k and maj@k; those > K are skipped
     batch_size: int = 32  # prompts per request to the server (each asks for K samples)
 
@@ -218,7 +219,8 @@ def evaluate(server, tokenizer, problems: Sequence, data_cfg, eval_cfg: EvalConf
             prompt_texts = [build_prompt(tokenizer, p, data_cfg) for p in batch]
             prompt_ids = [encode_prompt(tokenizer, text) for text in prompt_texts]
             result = server.generate(prompt_ids, n=eval_cfg.k, max_tokens=eval_cfg.max_tokens,
-                                     temperature=eval_cfg.temperature, top_p=eval_cfg.top_p)
+                                     temperature=eval_cfg.temperature, top_p=eval_cfg.top_p,
+                                     seed=(eval_cfg.seed * 1_000_003 + start // eval_cfg.batch_size) % 2**31)
             versions.add(result.weights_version)
             records.extend(score_completions(batch, prompt_texts, result.completions, scorer))
             if bar is not None:

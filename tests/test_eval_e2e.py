@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,12 @@ def test_evaluate_in_process_and_the_same_completions_scored_twice(server, tiny_
         summary, records = evaluate(server, tokenizer, problems, data_cfg, eval_cfg, scorer)
         assert len(records) == N_PROBLEMS and summary["samples_per_problem"] == K
         assert summary["weights_version"] == 0
+        # Seeded sampling (eval.seed): the same weights evaluated again draw the same samples, so two
+        # checkpoints' pass@1 differ by what they learned, not by sampling noise; another seed differs.
+        _, again = evaluate(server, tokenizer, problems, data_cfg, eval_cfg, scorer)
+        assert [r["completions"] for r in again] == [r["completions"] for r in records]
+        _, other = evaluate(server, tokenizer, problems, data_cfg, replace(eval_cfg, seed=1), scorer)
+        assert [r["completions"] for r in other] != [r["completions"] for r in records]
 
         batch = problems[:N_PROBLEMS]
         prompt_texts = [build_prompt(tokenizer, p, data_cfg) for p in batch]
