@@ -81,7 +81,8 @@ class LogConfig:
 
     project: str = "grpo"  # W&B project
     run_name: Optional[str] = None  # run directory and W&B name; the caller defaults it (config name + time)
-    tags: list[str] = field(default_factory=list)  # W&B tags
+    tags: list[str] = field(default_factory=list)  # W&B tags; also stamped on every metrics.jsonl row
+    group: Optional[str] = None  # W&B group (scripts/sweep.py: one per grid point, so seeds aggregate); also on every row
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"  # offline: sync later with `wandb sync`
     out_dir: str = "runs"  # runs go to <out_dir>/<run_name>/
     sample_table_every: int = 10  # log a table of prompts/completions/rewards every N iterations (0: never)
@@ -95,6 +96,8 @@ class LogConfig:
             raise ValueError(f"run_name: must be a non-empty name without '/', got {self.run_name!r}")
         if not isinstance(self.tags, (list, tuple)) or not all(isinstance(t, str) and t for t in self.tags):
             raise ValueError(f"tags: must be a list of non-empty strings, got {self.tags!r}")
+        if self.group is not None and (not isinstance(self.group, str) or not self.group.strip()):
+            raise ValueError(f"group: must be a non-empty string or null, got {self.group!r}")
         if self.wandb_mode not in ("online", "offline", "disabled"):
             raise ValueError(f"wandb_mode: must be one of ['online', 'offline', 'disabled'], got {self.wandb_mode!r}")
         if not isinstance(self.out_dir, str) or not self.out_dir.strip():
@@ -188,6 +191,7 @@ class MetricsLogger:
         self._wandb_step = -1
         self._bar = None
         self._closed = False
+        self._labels = {**({"group": cfg.group} if cfg.group else {}), **({"tags": list(cfg.tags)} if cfg.tags else {})}
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -213,6 +217,7 @@ class MetricsLogger:
             project=self.cfg.project,
             name=self.cfg.run_name or self.run_dir.name,
             tags=list(self.cfg.tags),
+            group=self.cfg.group,
             config=redact_secrets(run_config),
             dir=str(self.run_dir),
             mode=self.cfg.wandb_mode,
@@ -230,7 +235,8 @@ class MetricsLogger:
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"metrics: 'step' must be an integer, got {step!r} (keys: {sorted(metrics)})")
         row = {str(k): (step if k == "step" else _plain(str(k), v)) for k, v in metrics.items()}
-        line = json.dumps(row)
+        # Which sweep group and grid point the row belongs to travels with it (W&B has its own fields).
+        line = json.dumps({**row, **self._labels})
         with open(self.metrics_path, "a") as f:
             f.write(line + "\n")
             f.flush()
@@ -349,7 +355,8 @@ def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_
     """The row of one optimizer step. progress: grpo.progress.Progress after the step;
     train_stats: grpo.objective.finalize_stats of the step's objective; entropy: of pi_k on the
     batch (per token); time_sync / sync_bytes: the push before this iteration (0 after its first
-    step); iteration_seconds: wall time since the iteration began (for tokens_per_s)."""
+    step); iteration_seconds: wall time since the iteration began, push and eval included (logged as
+    time_iteration, and the denominator of tokens_per_s)."""
     batch_tokens = rollout_stats["prompt_tokens"] + rollout_stats["completion_tokens"]
     return {
         "step": progress.step, "stage": stage, "iteration": iteration, "sgd_iteration": sgd_iteration,
@@ -358,7 +365,7 @@ def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_
         **{key: train_stats[name] for key, name in TRAIN_KEYS.items()},
         "entropy": entropy, "grad_norm": grad_norm, "lr": lr, "nan_skips": progress.nan_skips,
         "time_train": time_train, "time_sync": time_sync, "sync_bytes": sync_bytes,
-        "tokens_per_s": batch_tokens / max(iteration_seconds, 1e-9),
+        "tokens_per_s": batch_tokens / max(iteration_seconds, 1e-9), "time_iteration": iteration_seconds,
     }
 
 

@@ -83,7 +83,7 @@ def test_log_config_validation():
     assert LogConfig().wandb_mode == "offline"
     for kwargs, field in [({"wandb_mode": "cloud"}, "wandb_mode"), ({"sample_table_every": -1}, "sample_table_every"),
                           ({"run_name": "a/b"}, "run_name"), ({"tags": ["ok", ""]}, "tags"),
-                          ({"project": ""}, "project"), ({"out_dir": ""}, "out_dir")]:
+                          ({"project": ""}, "project"), ({"out_dir": ""}, "out_dir"), ({"group": " "}, "group")]:
         with pytest.raises(ValueError, match=f"^{field}: "):
             LogConfig(**kwargs)
 
@@ -121,7 +121,7 @@ STEPS = [
 
 def test_logs_jsonl_and_wandb_offline(tmp_path, capsys):
     run_dir = tmp_path / "runs" / "demo"
-    cfg = LogConfig(run_name="demo", tags=["test", "tiny"], sample_table_every=2)
+    cfg = LogConfig(run_name="demo", tags=["test", "tiny"], group="sweep/point", sample_table_every=2)
     logger = MetricsLogger(cfg, run_dir, CONFIG, rank=0)
     bar = logger.progress(total=3)
     for i, row in enumerate(STEPS):
@@ -141,7 +141,9 @@ def test_logs_jsonl_and_wandb_offline(tmp_path, capsys):
     logger.close()  # idempotent
 
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines] == STEPS
+    # Every row carries the run's group and tags (how a sweep's rows name their grid point).
+    assert [json.loads(line) for line in lines] == [{**row, "group": "sweep/point", "tags": ["test", "tiny"]}
+                                                    for row in STEPS]
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples == [{"step": 2, "prompt": "1+1?", "completion": "\\boxed{2}", "reward": 1.0},
                        {"step": 2, "prompt": "2+3?", "completion": "6", "reward": 0.0, "truncated": True},
@@ -168,6 +170,7 @@ def test_logs_jsonl_and_wandb_offline(tmp_path, capsys):
     run = wandb_run_record(files[0])
     assert run.run_id == (run_dir / "wandb_run_id").read_text().strip()
     assert run.display_name == "demo" and list(run.tags) == ["test", "tiny"] and run.project == "grpo"
+    assert run.run_group == "sweep/point"
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["server"] == {"url": "http://x"}
     assert config["model"] == {"path": "tiny", "max_tokens": 128, "pad_token_id": 0}
