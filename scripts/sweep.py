@@ -1,0 +1,261 @@
+"""Seeded sweeps: grid points x seeds, each one normal `torchrun train.py` run in its own directory.
+
+    python scripts/sweep.py --config configs/cpu_demo.yaml \\
+        --grid grpo.v=1,10 objective.mask_zero_variance=true,false --seeds 0,1,2
+    python scripts/sweep.py --config configs/cpu_demo.yaml --name fig2 --seeds 0,1,2 \\
+        --point v1-i1 --point v1-i1-mask objective.mask_zero_variance=true --point v10-i1 grpo.v=10
+    python scripts/sweep.py ... --print          # one command line per run, for a cluster launcher
+    python scripts/sweep.py ... --only v10-s2    # one run, resumable: what a cluster node runs
+    python scripts/plot.py --sweep runs/sweeps/fig2 --out fig2.png
+
+Grid points are the named `--point`s (or one unnamed point) times the product of the `--grid`
+axes; `--set` overrides apply to every run. Run `<point>-s<seed>` goes to
+`<out-dir>/<name>/<point>-s<seed>/` with `seed=<seed>`, W&B group `<name>/<point>` (so the
+dashboard aggregates the seeds of a point) and tags `sweep=<name>`, `point=<point>`,
+`seed=<seed>`; train.py stamps the group and tags on every metrics.jsonl row too.
+
+Runs go one after another. The sweep is resumable: a run whose `final/` export exists is done and
+skipped; a run with a complete checkpoint continues with `--resume`; a run that died before its
+first checkpoint is moved aside to `<run>.attempt-<n>/` (kept, not deleted) and starts again.
+Killing the sweep kills the run in flight (it gets SIGTERM, checkpoints and exits); the next
+`sweep.py` with the same arguments continues where it stopped. `sweep.json` in the sweep
+directory records the points, seeds and runs (what scripts/plot.py reads); `logs/<run>.log` holds
+each run's output. Every run's config is checked before anything starts: a bad key or value is
+one line naming it, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SWEEP_FILE = "sweep.json"
+
+
+class SweepError(Exception):
+    """Arguments the sweep cannot run; the message names the argument."""
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    overrides: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str  # <point>-s<seed>: the run directory and W&B name
+    point: str
+    seed: int
+    overrides: tuple[str, ...]  # everything train.py gets after --config
+
+
+def parse_axis(text: str) -> tuple[str, list[str]]:
+    """'grpo.v=1,10' -> ('grpo.v', ['1', '10'])."""
+    key, sep, values = text.partition("=")
+    if not sep or not key or not values or any(not v for v in values.split(",")):
+        raise SweepError(f"--grid {text!r}: expected key=value1,value2,...")
+    return key, values.split(",")
+
+
+def grid_points(named: list[list[str]] | None, axes: list[str] | None) -> list[Point]:
+    """Named points (each NAME key=value ...) times the product of the grid axes."""
+    base = [Point(p[0], tuple(p[1:])) for p in named or []]
+    for p in base:
+        if not p.name or "/" in p.name or "=" in p.name or any("=" not in o for o in p.overrides):
+            raise SweepError(f"--point {' '.join([p.name, *p.overrides])!r}: expected NAME key=value ...")
+    parsed = [parse_axis(a) for a in axes or []]
+    base = base or [Point("", ())]  # no named points: the grid alone (or the config as it is)
+    points = []
+    for p in base:
+        for values in itertools.product(*(vals for _, vals in parsed)):
+            suffix = "-".join(f"{key.rsplit('.', 1)[-1]}={v}" for (key, _), v in zip(parsed, values))
+            name = "-".join(part for part in (p.name, suffix) if part) or "base"
+            points.append(Point(name, p.overrides + tuple(f"{key}={v}" for (key, _), v in zip(parsed, values))))
+    names = [p.name for p in points]
+    if len(set(names)) != len(names):
+        raise SweepError(f"grid points with the same name: {sorted(n for n in names if names.count(n) > 1)}")
+    return points
+
+
+def plan(args) -> tuple[Path, list[Point], list[RunSpec]]:
+    """The sweep directory, its points and its runs (each seed's runs of every point, seed by seed)."""
+    if not args.seeds:
+        raise SweepError("--seeds: give at least one seed, e.g. --seeds 0,1,2")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        raise SweepError(f"--seeds {args.seeds!r}: expected integers separated by commas") from None
+    name = args.name or Path(args.config).stem
+    if "/" in name:
+        raise SweepError(f"--name {name!r}: must not contain '/'")
+    sweep_dir = Path(args.out_dir) / name
+    points = grid_points(args.point, args.grid)
+    runs = []
+    # Seed-major: a sweep stopped part-way has every grid point at the seeds it finished.
+    for seed in seeds:
+        for point in points:
+            run = f"{point.name}-s{seed}"
+            tags = [f"sweep={name}", f"point={point.name}", f"seed={seed}"]
+            runs.append(RunSpec(run, point.name, seed, (
+                *args.set, *point.overrides, f"seed={seed}", f"log.out_dir={sweep_dir}", f"log.run_name={run}",
+                f"log.group={name}/{point.name}", f"log.tags={json.dumps(tags)}")))
+    return sweep_dir, points, runs
+
+
+def check_configs(config: str, runs: list[RunSpec]) -> None:
+    """Every run's config resolves (unknown keys, wrong types, bad values stop here, before any run)."""
+    from grpo.config import ConfigError, load_config
+    from grpo.train_config import TrainConfig
+
+    for run in runs:
+        try:
+            load_config(TrainConfig, config, list(run.overrides))
+        except ConfigError as e:
+            raise SweepError(f"run {run.name}: {e}") from None
+
+
+def command(args, run: RunSpec, resume: bool, portable: bool = False) -> list[str]:
+    """The run's torchrun line; `portable` (for --print): `torchrun train.py` as a user on another
+    machine types it in the repository root, rather than this machine's paths."""
+    torchrun = "torchrun" if portable else str(Path(sys.executable).with_name("torchrun"))
+    train = "train.py" if portable else str(ROOT / "train.py")
+    return [torchrun, "--standalone", f"--nproc_per_node={args.nproc_per_node}", train,
+            "--config", args.config, *run.overrides, *(["--resume"] if resume else [])]
+
+
+def state(run_dir: Path) -> str:
+    """done (exported), resume (a complete checkpoint), stale (started, nothing to resume), new."""
+    if (run_dir / "final").is_dir():
+        return "done"
+    if not run_dir.exists():
+        return "new"
+    from grpo.checkpoint import CheckpointConfig, Checkpointer
+
+    return "resume" if Checkpointer(CheckpointConfig(), run_dir).latest() is not None else "stale"
+
+
+def move_aside(run_dir: Path) -> Path:
+    for n in itertools.count(1):
+        dest = run_dir.with_name(f"{run_dir.name}.attempt-{n}")
+        if not dest.exists():
+            run_dir.rename(dest)
+            return dest
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the sweep dies (even by SIGKILL), so no run is
+    orphaned and the next sweep never races one still running."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def execute(args, run: RunSpec, sweep_dir: Path, index: int, total: int) -> bool:
+    run_dir = sweep_dir / run.name
+    status = state(run_dir)
+    if status == "done":
+        print(f"[sweep] {index}/{total} {run.name}: done, skipped", flush=True)
+        return True
+    if status == "stale":
+        print(f"[sweep] {index}/{total} {run.name}: no complete checkpoint, kept as {move_aside(run_dir).name}",
+              flush=True)
+    cmd = command(args, run, resume=status == "resume")
+    log_path = sweep_dir / "logs" / f"{run.name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[sweep] {index}/{total} {run.name}: {'resuming' if status == 'resume' else 'starting'} "
+          f"(log: {log_path})", flush=True)
+    t0 = time.monotonic()
+    with open(log_path, "ab") as log:
+        log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
+        log.flush()
+        code = subprocess.call(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                               preexec_fn=_die_with_parent)
+    seconds = time.monotonic() - t0
+    ok = code == 0 and state(run_dir) == "done"
+    record_attempt(sweep_dir, run, seconds, code)
+    print(f"[sweep] {index}/{total} {run.name}: {'finished' if ok else f'FAILED (exit {code})'} "
+          f"in {seconds:.0f} s", flush=True)
+    return ok
+
+
+def record_attempt(sweep_dir: Path, run: RunSpec, seconds: float, code: int) -> None:
+    """logs/<run>.json: wall seconds summed over the run's attempts (scripts/plot.py's table); an
+    attempt killed with the sweep is not counted, its checkpointed steps are not run again."""
+    path = sweep_dir / "logs" / f"{run.name}.json"
+    record = json.loads(path.read_text()) if path.is_file() else {"wall_s": 0.0, "attempts": 0}
+    record = {"wall_s": record["wall_s"] + seconds, "attempts": record["attempts"] + 1, "exit": code}
+    path.write_text(json.dumps(record) + "\n")
+
+
+def write_manifest(sweep_dir: Path, args, points: list[Point], runs: list[RunSpec]) -> None:
+    manifest = {"name": sweep_dir.name, "config": args.config, "seeds": sorted({r.seed for r in runs}),
+                "points": [asdict(p) for p in points], "runs": [asdict(r) for r in runs]}
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    path = sweep_dir / SWEEP_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if sorted(map(json.dumps, old["runs"])) != sorted(map(json.dumps, manifest["runs"])):
+            raise SweepError(f"{path} describes another sweep (other points, seeds or overrides): "
+                             "give this one another --name or --out-dir")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="the base run config (configs/*.yaml)")
+    ap.add_argument("--grid", nargs="+", metavar="KEY=V1,V2", help="axes whose product makes the grid")
+    ap.add_argument("--point", nargs="+", action="append", metavar="NAME [KEY=VALUE ...]",
+                    help="a named grid point and its overrides (repeat for more)")
+    ap.add_argument("--seeds", default="0", help="seeds, comma-separated (default 0)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="overrides for every run")
+    ap.add_argument("--name", help="sweep name (default: the config's file name)")
+    ap.add_argument("--out-dir", default="runs/sweeps", help="sweeps go to OUT_DIR/NAME/ (default runs/sweeps)")
+    ap.add_argument("--nproc-per-node", type=int, default=1, help="torchrun processes per run (default 1)")
+    ap.add_argument("--print", action="store_true", help="print one command per run instead of running them")
+    ap.add_argument("--only", nargs="+", metavar="RUN", help="run only these runs (e.g. v10-i1-s2): one node of a "
+                    "cluster job, with the same skip/resume logic")
+    args = ap.parse_args(argv)
+    try:
+        if not Path(args.config).is_file():
+            raise SweepError(f"--config {args.config}: no such file")
+        if any("=" not in o for o in args.set):
+            raise SweepError(f"--set {args.set}: expected key=value ...")
+        sweep_dir, points, runs = plan(args)
+        check_configs(args.config, runs)
+        unknown = sorted(set(args.only or []) - {r.name for r in runs})
+        if unknown:
+            raise SweepError(f"--only {unknown}: not runs of this sweep ({', '.join(r.name for r in runs)})")
+        if args.print:
+            for run in runs:
+                print(shlex.join(command(args, run, resume=False, portable=True)))
+            return 0
+        write_manifest(sweep_dir, args, points, runs)
+    except SweepError as e:
+        print(f"sweep.py: error: {e}", file=sys.stderr)
+        return 2
+    failed = [run.name for i, run in enumerate(runs, 1)
+              if (not args.only or run.name in args.only) and not execute(args, run, sweep_dir, i, len(runs))]
+    if failed:
+        print(f"[sweep] {len(failed)} of {len(runs)} runs failed: {', '.join(failed)} (see {sweep_dir}/logs/); "
+              "run the same command again to retry them", file=sys.stderr)
+        return 1
+    print(f"[sweep] all {len(runs)} runs done: python scripts/plot.py --sweep {sweep_dir}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
