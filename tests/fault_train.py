@@ -1,4 +1,4 @@
-"""train.py with its inference server SIGKILLed at chosen points (for tests/test_train.py).
+"""train.py with its inference server SIGKILLed at chosen points (for tests/test_faults.py).
 
     torchrun ... tests/fault_train.py --config ... [overrides]     GRPO_TEST_FAULTS=generate:1,push:1,generate_mid:5
 
