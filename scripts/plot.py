@@ -97,6 +97,15 @@ def default_keys(runs: dict[str, list[dict]]) -> list[str]:
     return keys + eval_keys
 
 
+def save(fig, out: Path, title: str | None) -> None:
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def plot(runs: dict[str, list[dict]], keys: list[str], out: Path, smooth: float, title: str | None) -> list[str]:
     """Draw one panel per key that some run has; return the keys drawn."""
     drawn = [k for k in keys if any(series(rows, k)[0] for rows in runs.values())]
@@ -122,12 +131,7 @@ def plot(runs: dict[str, list[dict]], keys: list[str], out: Path, smooth: float,
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(drawn):]:
         ax.set_visible(False)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save(fig, out, title)
     return drawn
 
 
@@ -221,12 +225,7 @@ def plot_sweep(points: dict[str, dict[int, list[dict]]], keys: list[str], out: P
             ax.set_xlabel(label)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save(fig, out, title)
     return drawn
 
 
