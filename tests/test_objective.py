@@ -133,6 +133,42 @@ def test_eq8_zero_variance_group_gets_weight_zero_and_is_reported():
     assert stats["masked_frac"] == 0.0 and stats["zero_var_frac"] == 0.5
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_eq8_changes_the_update_only_through_the_kl_term_when_masked_samples_are_counted(beta):
+    """A zero-variance group has A = 0 for every sample, so its clipped term f_eps(r, r', 0) is 0
+    with or without eq. 8. With count_masked (eq. 8 read literally: the indicator multiplies the
+    term, the denominators keep the group), masking therefore changes the update only through the
+    group's KL term: at beta = 0 it is the same update (the CPU replica of Fig. 2 saw v1-i1 and
+    v1-i1-mask give the same numbers), at beta > 0 it differs. count_masked=False (DAPO's dynamic
+    sampling) changes the denominators, hence the step size, even at beta = 0."""
+    rewards = t([1, 1, 1, 1, 0, 0])  # group 0 zero-variance, group 1 mixed
+    mask = torch.ones(6, 3, dtype=torch.bool)
+    gen = torch.Generator().manual_seed(3)
+    logp = -torch.rand(6, 3, generator=gen, dtype=D)
+    logp_ref = logp + 0.2 * torch.rand(6, 3, generator=gen, dtype=D)
+
+    def grad(mask_zero_variance, count_masked=True):
+        cfg = ObjectiveConfig(beta=beta, ratio_anchor="approx", mask_zero_variance=mask_zero_variance,
+                              count_masked=count_masked)
+        adv, seq_w, _ = group_advantages(rewards, 3, cfg)
+        num_seqs, num_tokens = local_denominators(mask, seq_w, cfg)
+        w = token_weights(mask, seq_w, cfg, num_seqs=num_seqs, num_tokens=num_tokens, max_len=3)
+        lp = logp.clone().requires_grad_(True)
+        loss, _ = objective(lp, logp, logp, logp_ref if beta else None, adv, w, cfg)
+        loss.backward()
+        return lp.grad
+
+    plain, masked = grad(False), grad(True)
+    assert torch.equal(plain[3:], masked[3:])  # the mixed group's gradient is the same either way
+    assert (masked[:3] == 0).all()
+    if beta == 0:
+        assert torch.equal(plain, masked)
+    else:
+        assert (plain[:3] != 0).all()  # only the KL term moves the zero-variance group
+    dropped = grad(True, count_masked=False)
+    assert torch.allclose(dropped[3:], 2 * masked[3:])  # half the sequences left the mean: twice the step
+
+
 def test_bound_M_from_group_reward_variances():
     # group 0 var 1/4, group 1 var 0: sigma_eps = sqrt(0.2501) and sqrt(1e-4) = 0.01
     _, _, stats = group_advantages(t([1, 0, 0, 1, 1, 1, 1, 1]), 4, ObjectiveConfig(adv_eps=1e-4))
