@@ -41,7 +41,8 @@ from grpo.inference import InferenceServer, check_context_fits, serving_dtype
 from grpo.metrics import MetricsLogger
 from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_model_path
 from grpo.optim import build_optimizer, build_scheduler
-from grpo.layout import LayoutError, cpu_has_native_bf16, plan_layout, training_dtype, visible_gpus
+from grpo.layout import (LayoutError, cpu_has_native_bf16, overlap_is_free, plan_layout, training_dtype,
+                         visible_gpus)
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, gather_full_state_dict,
                            init_distributed, launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, PolicyLogprobs
@@ -167,7 +168,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               optimizer, build_scheduler(optimizer, cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, cfg.optim),
               Checkpointer(cfg.checkpoint, run_dir), MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               StopFlag(), serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu), sampler=sampler,
-              eval_problems=eval_problems)
+              eval_problems=eval_problems, ahead=SampleAhead(overlap_is_free(layout)))
     progress = Progress()
     if resume:
         latest = run.checkpointer.latest()
@@ -273,14 +274,14 @@ class SampleAhead:
     checkpoint stores the prompt cursor from before the early draw: the batch is sampled again
     on resume, never saved."""
 
-    def __init__(self):
+    def __init__(self, overlap_free: bool = True):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sample-ahead")
         self.pending = None  # (seed, Future[Rollout], the prompt sampler's state before the draw)
+        self.overlap_free = overlap_free  # grpo.layout.overlap_is_free: the default when the config says null
 
-    @staticmethod
-    def wanted(cfg: TrainConfig, k_next: int) -> bool:
+    def wanted(self, cfg: TrainConfig, k_next: int) -> bool:
         """Sample batch k_next early? Only when no push (k mod v == 0) separates it from now."""
-        on = cfg.grpo.sample_ahead if cfg.grpo.sample_ahead is not None else cfg.grpo.v > 1
+        on = cfg.grpo.sample_ahead if cfg.grpo.sample_ahead is not None else cfg.grpo.v > 1 and self.overlap_free
         return on and k_next < cfg.grpo.M and k_next % cfg.grpo.v != 0
 
     def start(self, run: Run, progress: Progress, seed: int) -> None:
@@ -465,7 +466,7 @@ def main(argv=None) -> int:
 
                 # B prompts x G completions from alpha; rewards, advantages (eq. 2), mask (eq. 8)
                 rollout = sample_batch(run, progress, batch_seed(cfg, stage, k))
-                if run.dist.is_main and SampleAhead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
+                if run.dist.is_main and run.ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
                     run.ahead.start(run, progress, batch_seed(cfg, stage, k + 1))
                 micro_batches, denominators = plan_batch(run, rollout)
 

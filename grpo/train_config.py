@@ -40,7 +40,8 @@ class GRPOConfig:
     max_new_tokens: int = 128  # completion budget; longer ones are truncated
     temperature: float = 1.0  # sampling temperature; log-probs of pi, pi_k, pi_ref use the same T
     top_p: float = 1.0  # nucleus sampling (1.0 keeps alpha's log-probs exact)
-    sample_ahead: Optional[bool] = None  # generate batch k+1 while training on k when no push separates them
+    sample_ahead: Optional[bool] = None  # generate batch k+1 while training on k when no push separates them;
+    #                                      null: on for v > 1 where sampling has its own hardware (grpo.layout.overlap_is_free)
     #                                      (None: on when v > 1); batches are the same either way
 
     def __post_init__(self):

@@ -69,7 +69,7 @@ def test_resume_inside_a_v_window_samples_from_alpha_again(model_dir, tmp_path, 
     extra = {"default_root": [], "explicit_root": [f"server.weights_root={tmp_path / 'wroot'}"],
              "bytes": ["server.push_mode=bytes"]}[mode]
     common = ["grpo.S=1", "grpo.M=6", "grpo.v=3", "grpo.i=1", "checkpoint.every=2", "checkpoint.keep_last=3",
-              "eval_data=null", *extra]
+              "eval_data=null", "grpo.sample_ahead=true", *extra]  # on: a CPU machine's default is off
     full = subprocess.run(train_cmd(1, model_dir, tmp_path, "full", *common), cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=900)
     assert full.returncode == 0, full.stderr[-4000:]
@@ -118,7 +118,7 @@ def _check_server_deaths_change_nothing(model_dir, tmp_path, common, uninterrupt
 
 
 def _check_sample_ahead_changes_nothing(model_dir, tmp_path, common, ahead):
-    """The runs above sample ahead (v=3 > 1: on by default; batches 1, 2, 4, 5 are generated while
+    """The runs above sample ahead (grpo.sample_ahead=true; batches 1, 2, 4, 5 are generated while
     the previous one trains). Batches are a function of (weights version, prompts, seed), so every
     logged number but the timings equals the run without it."""
     proc = subprocess.run(train_cmd(1, model_dir, tmp_path, "inline", *common, "grpo.sample_ahead=false"),

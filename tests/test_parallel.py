@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from grpo.layout import (OWN_GPU_FRACTION, SHARED_GPU_FRACTION, LayoutError, cpu_has_native_bf16, plan_layout,
-                         training_dtype, visible_gpus)
+from grpo.layout import (OWN_GPU_FRACTION, SHARED_GPU_FRACTION, LayoutError, cpu_has_native_bf16, overlap_is_free,
+                         plan_layout, training_dtype, visible_gpus)
 from grpo.parallel import launch_env, process_group_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,6 +115,18 @@ def test_the_layout_says_whether_the_server_runs_on_this_cpu(visible, kw, server
     kw = {"server_device": "auto", "attached": False, "node_rank": 0, "rank": 0, "local_rank": 0,
           "local_world_size": 1, **kw}
     assert plan_layout(visible, **kw).server_on_cpu is server_on_cpu
+
+
+@pytest.mark.parametrize("visible,kw,free", [
+    (V8, dict(local_world_size=7), True),  # vLLM on its own GPU: sampling ahead costs the trainers nothing
+    (["0"], dict(local_world_size=1), False),  # one GPU shared by both
+    ([], dict(local_world_size=1), False),  # both on this machine's CPU cores
+    ([], dict(local_world_size=1, attached=True), True),  # the server is elsewhere
+    (V8, dict(local_world_size=8, server_device="cpu"), True),  # GPU trainers, CPU server
+])
+def test_sample_ahead_is_on_by_default_only_where_sampling_has_its_own_hardware(visible, kw, free):
+    kw = {"server_device": "auto", "attached": False, "node_rank": 0, "rank": 0, "local_rank": 0, **kw}
+    assert overlap_is_free(plan_layout(visible, **kw)) is free
 
 
 AVX2_EPYC = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 avx avx2 fma\n"
