@@ -247,13 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     except SweepError as e:
         print(f"sweep.py: error: {e}", file=sys.stderr)
         return 2
-    failed = [run.name for i, run in enumerate(runs, 1)
-              if (not args.only or run.name in args.only) and not execute(args, run, sweep_dir, i, len(runs))]
+    chosen = [(i, run) for i, run in enumerate(runs, 1) if not args.only or run.name in args.only]
+    failed = [run.name for i, run in chosen if not execute(args, run, sweep_dir, i, len(runs))]
     if failed:
-        print(f"[sweep] {len(failed)} of {len(runs)} runs failed: {', '.join(failed)} (see {sweep_dir}/logs/); "
+        print(f"[sweep] {len(failed)} of {len(chosen)} runs failed: {', '.join(failed)} (see {sweep_dir}/logs/); "
               "run the same command again to retry them", file=sys.stderr)
         return 1
-    print(f"[sweep] all {len(runs)} runs done: python scripts/plot.py --sweep {sweep_dir}", flush=True)
+    what = f"all {len(runs)} runs" if len(chosen) == len(runs) else f"{len(chosen)} of {len(runs)} runs (--only)"
+    print(f"[sweep] {what} done: python scripts/plot.py --sweep {sweep_dir}", flush=True)
     return 0
 
 

@@ -60,6 +60,19 @@ def test_a_bad_grid_key_is_one_line_and_exit_2(tmp_path):
     assert out.stderr.count("\n") == 1 and "grpo.vv" in out.stderr and "run vv=1-s0" in out.stderr, out.stderr
 
 
+def test_only_runs_the_named_runs_and_says_so(tmp_path):
+    """--only (one node of a cluster job): the other runs are not touched, and the closing line
+    counts what was run, not the whole sweep (it once said "all 4 runs done" after running one)."""
+    args = ["--grid", "grpo.v=1,2", "--seeds", "0,1", "--name", "s", "--out-dir", tmp_path]
+    (tmp_path / "s" / "v=2-s0" / "final").mkdir(parents=True)  # a finished run: skipped, nothing starts
+    out = subprocess.run(sweep_cmd(*args, "--only", "v=2-s0"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[sweep] 2/4 v=2-s0: done, skipped",
+                                       f"[sweep] 1 of 4 runs (--only) done: python scripts/plot.py --sweep {tmp_path}/s"]
+    bad = subprocess.run(sweep_cmd(*args, "--only", "v=3-s0"), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--only ['v=3-s0']: not runs of this sweep" in bad.stderr
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
