@@ -142,8 +142,9 @@ SWEEP_KEYS = ("reward_mean", "eval/pass@1")
 AXES = {"step": "optimizer step", "weights_version": "weight pushes"}
 
 
-def load_sweep(sweep_dir: Path) -> tuple[dict, dict[str, dict[int, list[dict]]]]:
-    """sweep.json and, per grid point, {seed: metrics rows} of the runs that have logged."""
+def load_sweep(sweep_dir: Path, partial: bool = False) -> tuple[dict, dict[str, dict[int, list[dict]]]]:
+    """sweep.json and, per grid point, {seed: metrics rows} of the finished runs (final/ exported);
+    with `partial`, of every run that has logged (its "final" pass@1 is then its latest)."""
     manifest_path = sweep_dir / "sweep.json"
     if not manifest_path.is_file():
         raise PlotError(f"{sweep_dir}: no sweep.json (is it a directory made by scripts/sweep.py?)")
@@ -151,10 +152,12 @@ def load_sweep(sweep_dir: Path) -> tuple[dict, dict[str, dict[int, list[dict]]]]
     points: dict[str, dict[int, list[dict]]] = {p["name"]: {} for p in manifest["points"]}
     for run in manifest["runs"]:
         path = sweep_dir / run["name"] / "metrics.jsonl"
-        if path.is_file() and path.stat().st_size:
+        finished = (sweep_dir / run["name"] / "final").is_dir()
+        if path.is_file() and path.stat().st_size and (finished or partial):
             points[run["point"]][run["seed"]] = read_metrics(path)
     if not any(points.values()):
-        raise PlotError(f"{sweep_dir}: none of its {len(manifest['runs'])} runs has logged metrics yet")
+        raise PlotError(f"{sweep_dir}: none of its {len(manifest['runs'])} runs has finished "
+                        f"(--partial draws runs in progress)")
     return manifest, points
 
 
@@ -267,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="*", help="run directories (with metrics.jsonl) or metrics.jsonl files")
     parser.add_argument("--sweep", help="a sweep directory (scripts/sweep.py): mean and band per grid point, and a table")
+    parser.add_argument("--partial", action="store_true", help="a sweep: draw unfinished runs too (default: finished only)")
     parser.add_argument("--band", choices=["minmax", "std"], default="minmax",
                         help="the band of a sweep: min-max over seeds or mean +- 1 std (default minmax)")
     parser.add_argument("--out", default="fig.png", help="PNG file to write (default fig.png)")
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             raise PlotError("give run directories or --sweep DIR (one of the two)")
         if args.sweep:
             sweep_dir = Path(args.sweep)
-            manifest, points = load_sweep(sweep_dir)
+            manifest, points = load_sweep(sweep_dir, args.partial)
             out = Path(args.out)
             drawn = plot_sweep(points, args.keys or list(SWEEP_KEYS), out, args.band, args.smooth,
                                args.title or f"sweep {manifest['name']}")
