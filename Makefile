@@ -33,6 +33,7 @@ bench: install
 	$(PY) bench/rewards.py
 	$(PY) bench/kernels.py
 	$(PY) bench/weight_sync.py
+	$(PY) bench/rollout.py
 	$(PY) bench/step.py
 
 clean:
