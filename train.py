@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from grpo import metrics
 from grpo import objective as O
@@ -43,8 +42,8 @@ from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_mode
 from grpo.optim import build_optimizer, build_scheduler
 from grpo.layout import (LayoutError, cpu_has_native_bf16, overlap_is_free, plan_layout, training_dtype,
                          visible_gpus)
-from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, gather_full_state_dict,
-                           init_distributed, launch_env, shard_model)
+from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
+                           gather_full_state_dict, init_distributed, launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, PolicyLogprobs
 from grpo.progress import Progress
 from grpo.rewards import RewardScorer
@@ -134,8 +133,9 @@ class Run:
             self.server.stop()
         if self.scorer is not None:
             self.scorer.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # The sharded models hold the process group: release them so that it is freed here.
+        self.policy = self.ref_policy = self.optimizer = self.scheduler = self.checkpointer = None
+        close_distributed()
 
 
 def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:

@@ -18,12 +18,16 @@ the run, so the group's time-out is `parallel.timeout_s` (default 4 hours).
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
+import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
@@ -101,6 +105,44 @@ def init_distributed(device: torch.device | str = "cpu", timeout_s: float = Para
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]), device)
 
 
+# The one mesh per device type that FSDP2 shards on, made here so that close_distributed can free it.
+_meshes: dict[str, DeviceMesh] = {}
+
+
+def training_mesh(device_type: str) -> DeviceMesh:
+    """The 1-D mesh over every rank on this rank's device type (grpo.layout's decision: fully_shard's
+    own default mesh takes whichever accelerator the machine has, even for a CPU trainer)."""
+    if device_type not in _meshes:
+        _meshes[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _meshes[device_type]
+
+
+GROUP_STILL_REFERENCED = ("the process group is still referenced after destroy_process_group (a sharded "
+                          "model still alive?): its threads are torn down at interpreter exit")
+
+
+def close_distributed() -> bool:
+    """Destroy the process group and free it now, while Python still runs; True if it was freed.
+
+    Call it after the sharded models and their optimizer are released: FSDP2 keeps the group in
+    each model's state, and the mesh keeps it in its `_pg_registry` for the life of the process
+    (DTensor's sharding caches hold the mesh). destroy_process_group alone left gloo's threads
+    running until exit, where tearing them down aborted ~1 in 25 finished 2-rank runs ("terminate
+    called without an active exception", exit -6)."""
+    if not dist.is_initialized():
+        return True
+    group = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    for mesh in _meshes.values():
+        getattr(mesh, "_pg_registry", {}).clear()
+    _meshes.clear()
+    gc.collect()  # models live in reference cycles (module hooks): collect them now, not at exit
+    if group() is not None:
+        warnings.warn(GROUP_STILL_REFERENCED)
+        return False
+    return True
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of an HF causal LM (Llama/Qwen2/Mistral style: model.model.layers)."""
     inner = getattr(model, "model", None)
@@ -117,13 +159,14 @@ def shard_model(wrapper: torch.nn.Module, lm: torch.nn.Module, param_dtype: torc
     param_dtype=bf16 gives the usual mixed precision (bf16 compute, fp32 master weights and fp32
     gradient reduction); None keeps fp32 compute (the CPU default)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    mesh = training_mesh(next(lm.parameters()).device.type)
     for layer in decoder_layers(lm):
         if activation_checkpointing:
             from torch.distributed._composable import checkpoint
 
             checkpoint(layer)
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(wrapper, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(wrapper, mesh=mesh, mp_policy=mp)
     return wrapper
 
 

@@ -228,9 +228,9 @@ def step_collectives(args) -> dict:
     the helpers run whenever a group exists, so a CPU tensor on the wrong backend fails here as it
     would on 8 ranks."""
     import torch
-    import torch.distributed as dist
 
-    from grpo.parallel import all_reduce_max, all_reduce_sum, broadcast_json, init_distributed, process_group_backend
+    from grpo.parallel import (all_reduce_max, all_reduce_sum, broadcast_json, close_distributed, init_distributed,
+                               process_group_backend)
 
     device = _device(args.smoke)
     info = init_distributed(device, timeout_s=600)
@@ -245,19 +245,18 @@ def step_collectives(args) -> dict:
         return dict(backend=process_group_backend(device.type), world_size=info.world_size, sums=sums, max=mx,
                     broadcast_mb=len(json.dumps(payload)) / 2 ** 20, broadcast_seconds=seconds, ok=ok)
     finally:
-        dist.destroy_process_group()
+        close_distributed()
 
 
 def step_fsdp(args) -> dict:
     """1-rank FSDP2 steps (bf16 mixed precision on GPU) with and without activation checkpointing at
     the DeepScaleR config's token budget: peak memory and seconds per optimizer step."""
     import torch
-    import torch.distributed as dist
 
     import kernels
     from grpo import objective as O
     from grpo.models import load_model
-    from grpo.parallel import init_distributed, shard_model
+    from grpo.parallel import close_distributed, init_distributed, shard_model
     from grpo.policy import ObjectiveInputs, PolicyLogprobs
 
     s, device = _sizes(args.smoke), _device(args.smoke)
@@ -300,7 +299,7 @@ def step_fsdp(args) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
-        dist.destroy_process_group()
+        close_distributed()
     # recomputing each layer in backward changes no number (same first-step loss, same update)
     a, b = out["activation_checkpointing_False"]["losses"], out["activation_checkpointing_True"]["losses"]
     out["ok"] = all(abs(x - y) <= 1e-3 * max(abs(x), 1e-3) for x, y in zip(a, b))
@@ -313,10 +312,9 @@ def step_push(args) -> dict:
     import tempfile
 
     import torch
-    import torch.distributed as dist
 
     from grpo.models import load_model
-    from grpo.parallel import gather_full_state_dict, init_distributed, shard_model
+    from grpo.parallel import close_distributed, gather_full_state_dict, init_distributed, shard_model
     from grpo.policy import PolicyLogprobs
     import kernels
     from grpo.weight_sync import write_weights
@@ -343,7 +341,7 @@ def step_push(args) -> dict:
                              gb_per_s=nbytes / (t_gather + t_write) / 1e9)
             del policy, lm, state
     finally:
-        dist.destroy_process_group()
+        close_distributed()
     return out
 
 

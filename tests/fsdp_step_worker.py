@@ -25,7 +25,7 @@ import train  # noqa: E402
 from grpo import objective as O  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
-from grpo.parallel import gather_full_state_dict, init_distributed  # noqa: E402
+from grpo.parallel import close_distributed, gather_full_state_dict, init_distributed  # noqa: E402
 from grpo.rollout import Rollout, Sample  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
 
@@ -51,10 +51,8 @@ def fixed_batch(vocab: int, prompts: int, G: int, skewed: bool = False, masked: 
     return samples
 
 
-def main():
-    model_dir, out_path, batch_kind, overrides = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
-    cfg = load_config(TrainConfig, None, [f"model.path={model_dir}", *overrides])
-    info = init_distributed()
+def run_steps(cfg, info, batch_kind: str) -> dict:
+    """i SGD iterations of train.py on the seeded batch: this rank's figures (the models die here)."""
     torch.manual_seed(0)
     policy = train.build_policy(cfg, info.device, trainable=True)
     ref = train.build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
@@ -79,12 +77,30 @@ def main():
     shapes = [[int(mb.input_ids.numel()), int(mb.completion_mask.shape[0])] for mb in mbs]
     all_shapes = [None] * info.world_size
     torch.distributed.all_gather_object(all_shapes, shapes)
+    checksum = float(sum(t.double().abs().sum() for t in full.values()))
+    return {"losses": losses, "grad_norms": norms, "param_abs_sum": checksum, "entropies": entropies,
+            "micro_batches": len(mbs), "world_size": info.world_size, "shapes": all_shapes}
+
+
+def main():
+    model_dir, out_path, batch_kind, overrides = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+    cfg = load_config(TrainConfig, None, [f"model.path={model_dir}", *overrides])
+    info = init_distributed()
+    result = run_steps(cfg, info, batch_kind)
+    result["group_freed"] = close_distributed()
+    result["threads_after_close"] = native_thread_names()
     if info.rank == 0:
-        checksum = float(sum(t.double().abs().sum() for t in full.values()))
         with open(out_path, "w") as f:
-            json.dump({"losses": losses, "grad_norms": norms, "param_abs_sum": checksum, "entropies": entropies,
-                       "micro_batches": len(mbs), "world_size": info.world_size, "shapes": all_shapes}, f)
-    torch.distributed.destroy_process_group()
+            json.dump(result, f)
+
+
+def native_thread_names() -> list[str]:
+    """This process's OS threads by name (gloo's are gloo_tcp_loop and pt_gloo_runloop)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return names
 
 
 if __name__ == "__main__":

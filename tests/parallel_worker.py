@@ -11,9 +11,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch.distributed as dist  # noqa: E402
 
-from grpo.parallel import all_reduce_max, all_reduce_sum, broadcast_json, init_distributed  # noqa: E402
+from grpo.parallel import all_reduce_max, all_reduce_sum, broadcast_json, close_distributed, init_distributed  # noqa: E402
 
 
 def main():
@@ -44,7 +43,7 @@ def main():
     with open(f"{out}.{info.rank}", "w") as f:
         json.dump(result, f)
     if mode == "payload" or result["ok"]:
-        dist.destroy_process_group()
+        close_distributed()
     else:
         os._exit(0)  # a timed-out gloo group cannot be torn down cleanly
 

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 import train  # noqa: E402
 from grpo.config import load_config  # noqa: E402
-from grpo.parallel import init_distributed  # noqa: E402
+from grpo.parallel import close_distributed, init_distributed  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
 
 cfg = load_config(TrainConfig, None, [f"model.path={sys.argv[1]}", "model.dtype=bfloat16", "objective.beta=0.1"])
@@ -31,4 +31,4 @@ with torch.no_grad():
     after = (policy(ids, index, targets)[0] - ref(ids, index, targets)[0]).abs().max().item()
 if info.rank == 0:
     print(json.dumps({"before": before, "after": after}))
-torch.distributed.destroy_process_group()
+close_distributed()

@@ -31,6 +31,7 @@ from grpo.checkpoint import (  # noqa: E402
     verify_checkpoint,
 )
 from grpo.models import load_model, load_tokenizer  # noqa: E402
+from grpo.parallel import close_distributed, training_mesh  # noqa: E402
 from tiny_models import make_tiny_model_dir  # noqa: E402
 
 
@@ -53,9 +54,10 @@ def build(model_dir, trainable=True, lr=1e-2):
     if not trainable:
         lm.requires_grad_(False)
     model = LossModel(lm)
+    mesh = training_mesh("cpu")
     for layer in lm.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1) if trainable else None
     return model, optimizer
 
@@ -88,7 +90,7 @@ def world_of_one(tmp_path_factory):
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     if created:
-        dist.destroy_process_group()
+        close_distributed()
 
 
 @pytest.fixture(scope="module")
@@ -404,7 +406,7 @@ def _two_rank_worker() -> None:
     if rank == 0:
         (run_dir / "result.json").write_text(json.dumps({"checked_tensors": checked, "rand_rank": [0, 1]}))
     dist.barrier()
-    dist.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":
