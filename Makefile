@@ -19,10 +19,10 @@ test-fast: install
 demo: install
 	bash scripts/demo.sh
 
-# The CPU replica of the paper's Figure 2: 4 settings x 3 seeds (configs/cpu_fig2.yaml), ~2 h on a
-# 2-core AVX2 CPU (10-11 min a run); a killed replicate continues where it stopped. Writes docs/fig2_cpu.png/.md.
+# The CPU replica of the paper's Figure 2: 4 settings x 3 seeds (configs/cpu_fig2.yaml), sized for
+# ~90 min on a 2-core AVX2 CPU; a killed replicate continues where it stopped. Writes docs/fig2_cpu.png/.md.
 FIG2 := --point v1-i1 --point v1-i1-mask objective.mask_zero_variance=true \
-	--point v10-i1 grpo.v=10 eval_every=10 --point v1-i10 grpo.i=10 grpo.M=2 eval_every=1
+	--point v10-i1 grpo.v=10 eval_every=10 --point v1-i10 grpo.i=10 grpo.M=1 eval_every=1
 replicate: install
 	$(PY) scripts/build_smollm2.py .cache/models/smollm2
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) scripts/sweep.py --config configs/cpu_fig2.yaml --name fig2-cpu \
