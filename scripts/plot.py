@@ -232,10 +232,11 @@ def plot_sweep(points: dict[str, dict[int, list[dict]]], keys: list[str], out: P
     return drawn
 
 
-def sweep_table(sweep_dir: Path, points: dict[str, dict[int, list[dict]]]) -> str:
+def sweep_table(sweep_dir: Path, manifest: dict, points: dict[str, dict[int, list[dict]]]) -> str:
     """Markdown: per grid point, over seeds, the final held-out pass@1 (mean +- std), pushes,
-    optimizer steps, wall time of the run (scripts/sweep.py's record), mean TV(pi_k, alpha) and
-    clip fraction over all optimizer steps."""
+    optimizer steps, wall time of the run (scripts/sweep.py's record, under the manifest's run
+    name), mean TV(pi_k, alpha) and clip fraction over all optimizer steps."""
+    run_names = {(run["point"], run["seed"]): run["name"] for run in manifest["runs"]}
     lines = ["| grid point | seeds | final pass@1 | pushes | optimizer steps | wall time (min) | TV(pi_k, alpha) "
              "| clip fraction |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for point, seeds in points.items():
@@ -253,7 +254,7 @@ def sweep_table(sweep_dir: Path, points: dict[str, dict[int, list[dict]]]) -> st
             steps.append(max((r["step"] for r in rows), default=0))
             tvs.extend(r["tv_pik_alpha"] for r in train if isinstance(r.get("tv_pik_alpha"), (int, float)))
             clips.extend(r["clip_frac"] for r in train if isinstance(r.get("clip_frac"), (int, float)))
-            record = sweep_dir / "logs" / f"{point}-s{seed}.json"
+            record = sweep_dir / "logs" / f"{run_names[point, seed]}.json"
             if record.is_file():
                 walls.append(json.loads(record.read_text())["wall_s"] / 60)
 
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(args.out)
             drawn = plot_sweep(points, args.keys or list(SWEEP_KEYS), out, args.band, args.smooth,
                                args.title or f"sweep {manifest['name']}")
-            table = sweep_table(sweep_dir, points)
+            table = sweep_table(sweep_dir, manifest, points)
             out.with_suffix(".md").write_text(table + "\n")
             print(table)
             print(f"wrote {out} and {out.with_suffix('.md')}: {', '.join(drawn)}")

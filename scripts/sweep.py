@@ -115,16 +115,19 @@ def plan(args) -> tuple[Path, list[Point], list[RunSpec]]:
     return sweep_dir, points, runs
 
 
-def check_configs(config: str, runs: list[RunSpec]) -> None:
-    """Every run's config resolves (unknown keys, wrong types, bad values stop here, before any run)."""
+def check_configs(config: str, runs: list[RunSpec]) -> dict:
+    """Every run's config resolves (unknown keys, wrong types, bad values stop here, before any run);
+    returns each run's `checkpoint:` section (where its checkpoints are, for `state`)."""
     from grpo.config import ConfigError, load_config
     from grpo.train_config import TrainConfig
 
+    checkpoints = {}
     for run in runs:
         try:
-            load_config(TrainConfig, config, list(run.overrides))
+            checkpoints[run.name] = load_config(TrainConfig, config, list(run.overrides)).checkpoint
         except ConfigError as e:
             raise SweepError(f"run {run.name}: {e}") from None
+    return checkpoints
 
 
 def command(args, run: RunSpec, resume: bool, portable: bool = False) -> list[str]:
@@ -136,15 +139,16 @@ def command(args, run: RunSpec, resume: bool, portable: bool = False) -> list[st
             "--config", args.config, *run.overrides, *(["--resume"] if resume else [])]
 
 
-def state(run_dir: Path) -> str:
-    """done (exported), resume (a complete checkpoint), stale (started, nothing to resume), new."""
+def state(run_dir: Path, checkpoint) -> str:
+    """done (exported), resume (a complete checkpoint where the run's `checkpoint:` section puts
+    them), stale (started, nothing to resume), new."""
     if (run_dir / "final").is_dir():
         return "done"
-    if not run_dir.exists():
-        return "new"
-    from grpo.checkpoint import CheckpointConfig, Checkpointer
+    from grpo.checkpoint import Checkpointer
 
-    return "resume" if Checkpointer(CheckpointConfig(), run_dir).latest() is not None else "stale"
+    if Checkpointer(checkpoint, run_dir).latest() is not None:
+        return "resume"
+    return "stale" if run_dir.exists() else "new"
 
 
 def move_aside(run_dir: Path) -> Path:
@@ -162,9 +166,9 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def execute(args, run: RunSpec, sweep_dir: Path, index: int, total: int) -> bool:
+def execute(args, run: RunSpec, checkpoint, sweep_dir: Path, index: int, total: int) -> bool:
     run_dir = sweep_dir / run.name
-    status = state(run_dir)
+    status = state(run_dir, checkpoint)
     if status == "done":
         print(f"[sweep] {index}/{total} {run.name}: done, skipped", flush=True)
         return True
@@ -183,7 +187,7 @@ def execute(args, run: RunSpec, sweep_dir: Path, index: int, total: int) -> bool
         code = subprocess.call(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                preexec_fn=_die_with_parent)
     seconds = time.monotonic() - t0
-    ok = code == 0 and state(run_dir) == "done"
+    ok = code == 0 and state(run_dir, checkpoint) == "done"
     record_attempt(sweep_dir, run, seconds, code)
     print(f"[sweep] {index}/{total} {run.name}: {'finished' if ok else f'FAILED (exit {code})'} "
           f"in {seconds:.0f} s", flush=True)
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         if any("=" not in o for o in args.set):
             raise SweepError(f"--set {args.set}: expected key=value ...")
         sweep_dir, points, runs = plan(args)
-        check_configs(args.config, runs)
+        checkpoints = check_configs(args.config, runs)
         unknown = sorted(set(args.only or []) - {r.name for r in runs})
         if unknown:
             raise SweepError(f"--only {unknown}: not runs of this sweep ({', '.join(r.name for r in runs)})")
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweep.py: error: {e}", file=sys.stderr)
         return 2
     chosen = [(i, run) for i, run in enumerate(runs, 1) if not args.only or run.name in args.only]
-    failed = [run.name for i, run in chosen if not execute(args, run, sweep_dir, i, len(runs))]
+    failed = [run.name for i, run in chosen
+              if not execute(args, run, checkpoints[run.name], sweep_dir, i, len(runs))]
     if failed:
         print(f"[sweep] {len(failed)} of {len(chosen)} runs failed: {', '.join(failed)} (see {sweep_dir}/logs/); "
               "run the same command again to retry them", file=sys.stderr)

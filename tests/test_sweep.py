@@ -169,3 +169,38 @@ def test_band_is_the_mean_with_min_max_or_std_over_seeds():
             {"step": 3, "weights_version": 1, "reward_mean": 0.8}, {"step": 3, "eval/pass@1": 0.5}]
     assert plot.curve(rows, "reward_mean", "weights_version") == pytest.approx({0: 0.2, 1: 0.8})
     assert plot.curve(rows, "reward_mean", "step") == {1: 0.1, 2: 0.3, 3: 0.8}
+
+
+def test_the_table_finds_each_run_by_its_manifest_name(tmp_path):
+    """The wall time comes from logs/<run name>.json, the run name from sweep.json (it was rebuilt
+    as <point>-s<seed>, so a sweep whose runs are named otherwise showed n/a)."""
+    sweep_dir = tmp_path / "sw"
+    (sweep_dir / "logs").mkdir(parents=True)
+    manifest = {"runs": [{"name": "lr-small-seed7", "point": "lr-small", "seed": 7, "overrides": []}],
+                "points": [{"name": "lr-small", "overrides": []}]}
+    (sweep_dir / "sweep.json").write_text(json.dumps(manifest))
+    (sweep_dir / "logs" / "lr-small-seed7.json").write_text(json.dumps({"wall_s": 150.0, "attempts": 1, "exit": 0}))
+    rows = [{"step": 1, "loss": 0.1, "weights_version": 1, "tv_pik_alpha": 0.01, "clip_frac": 0.0},
+            {"step": 1, "eval/pass@1": 0.25}]
+    table = plot.sweep_table(sweep_dir, manifest, {"lr-small": {7: rows}})
+    assert table.splitlines()[-1] == "| lr-small | 1 | 0.250 +- 0.000 | 1.0 | 1 | 2.5 | 1.00e-02 | 0.0000 |"
+
+
+def test_a_run_whose_checkpoints_live_elsewhere_is_resumed_not_moved_aside(tmp_path):
+    """state() looks where the run's own `checkpoint.dir` puts checkpoints (it looked in
+    <run_dir>/checkpoints only, called the run stale and restarted it from step 0)."""
+    import torch
+
+    from grpo.checkpoint import CheckpointConfig, Checkpointer
+
+    run_dir, elsewhere = tmp_path / "sw" / "a-s0", tmp_path / "scratch" / "a-s0"
+    run_dir.mkdir(parents=True)
+    config = CheckpointConfig(dir=str(elsewhere))
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    Checkpointer(config, run_dir).save(3, model, optimizer)
+    assert sweep.state(run_dir, config) == "resume"
+    assert sweep.state(run_dir, CheckpointConfig()) == "stale"  # the default place holds nothing
+    assert sweep.state(tmp_path / "sw" / "b-s0", CheckpointConfig()) == "new"
