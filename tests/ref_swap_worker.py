@@ -31,4 +31,5 @@ with torch.no_grad():
     after = (policy(ids, index, targets)[0] - ref(ids, index, targets)[0]).abs().max().item()
 if info.rank == 0:
     print(json.dumps({"before": before, "after": after}))
+del policy, ref  # the sharded models hold the group: release them so that it is freed now
 close_distributed()
