@@ -20,7 +20,8 @@ demo: install
 	bash scripts/demo.sh
 
 # The CPU replica of the paper's Figure 2: 4 settings x 3 seeds (configs/cpu_fig2.yaml), sized for
-# ~90 min on a 2-core AVX2 CPU; a killed replicate continues where it stopped. Writes docs/fig2_cpu.png/.md.
+# ~90 min; measured ~100 min on a quiet 2-core AVX2 CPU (33 min a seed); a killed replicate continues
+# where it stopped. Writes docs/fig2_cpu.png/.md.
 FIG2 := --point v1-i1 --point v1-i1-mask objective.mask_zero_variance=true \
 	--point v10-i1 grpo.v=10 eval_every=10 --point v1-i10 grpo.i=10 grpo.M=1 eval_every=1
 replicate: install
