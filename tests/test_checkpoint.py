@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -31,7 +30,7 @@ from grpo.checkpoint import (  # noqa: E402
     verify_checkpoint,
 )
 from grpo.models import load_model, load_tokenizer  # noqa: E402
-from grpo.parallel import close_distributed, training_mesh  # noqa: E402
+from grpo.parallel import close_distributed, shard_model  # noqa: E402
 from tiny_models import make_tiny_model_dir  # noqa: E402
 
 
@@ -54,10 +53,7 @@ def build(model_dir, trainable=True, lr=1e-2):
     if not trainable:
         lm.requires_grad_(False)
     model = LossModel(lm)
-    mesh = training_mesh("cpu")
-    for layer in lm.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_model(model, lm, param_dtype=None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1) if trainable else None
     return model, optimizer
 
