@@ -13,6 +13,7 @@ served), and the request retried. A request the server refuses (4xx) is raised a
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import secrets
@@ -30,8 +31,7 @@ import torch
 from grpo.client import GenerationResult, InferenceClient, InferenceServerError, ServerUnavailableError
 from grpo.layout import cpu_has_native_bf16
 from grpo.supervisor import ServerProcess
-from grpo.models import drop_tied_lm_head
-from grpo.weight_sync import fingerprint_mismatches, prune_weights, write_weights
+from grpo.weight_sync import fingerprint_mismatches, prune_weights, pushed_moments, write_weights
 
 TOKEN_ENV = "GRPO_SERVER_TOKEN"
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -223,6 +223,7 @@ class InferenceServer:
             env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU server never touches the trainers' GPUs
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_gb))
             env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind_list(cfg.cpu_threads)
+            cmd += ["--idle-spin-s", "0"]  # its cores are the trainer's too: no busy-wait between requests
         process = ServerProcess(cmd, env, server_dir, cfg.host)
         client = InferenceClient("http://unset", token, cfg.request_timeout_s, cfg.retry_deadline_s,
                                  death_check=process.death_reason)
@@ -256,20 +257,31 @@ class InferenceServer:
             return call()
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int, step: int) -> dict:
-        """alpha <- these weights (rank 0's full state dict): write, load, prune. Returns the server's
-        reply with bytes, seconds and weights_dir."""
+        """alpha <- these weights (rank 0's full state dict): write, load, check, prune. Returns the
+        server's reply with bytes, seconds, weights_dir and the trainer-side stage times
+        (write_seconds, load_seconds: the request round trip, check_seconds: the fingerprint)."""
         t0 = time.perf_counter()
         root = self._root if self.cfg.push_mode == "path" else self.run_dir / "weights"
         weights_dir = write_weights(state_dict, self.model_dir, root, version=version, step=step,
                                     dtype=self.serve_dtype, hash_algo=self.cfg.weights_hash)
-        reply = self._surviving(lambda: self._load(weights_dir, version, self.cfg.push_mode))
+        t1 = time.perf_counter()
+        # What the engine should hold, from the state dict itself (not from the file: a writer bug
+        # is caught too), computed in a thread while the server loads.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push-moments") as pool:
+            expected = pool.submit(pushed_moments, state_dict, self.serve_dtype, self.model_dir)
+            reply = self._surviving(lambda: self._load(weights_dir, version, self.cfg.push_mode))
+            t2 = time.perf_counter()
+            expected = expected.result()
         if "fingerprint" in reply:
-            bad = fingerprint_mismatches(self._serving_view(state_dict), reply.pop("fingerprint"))
+            bad = fingerprint_mismatches(expected, reply.pop("fingerprint"))
             if bad:
                 raise WeightsMismatchError(f"push of version {version}: the engine holds other values than were "
                                            f"pushed for {', '.join(bad)}")
+        t3 = time.perf_counter()
         prune_weights(root, self.cfg.keep_last)
-        return {**reply, "weights_dir": str(weights_dir), "seconds": time.perf_counter() - t0}
+        return {**reply, "server_seconds": reply.get("seconds", 0.0), "weights_dir": str(weights_dir),
+                "seconds": time.perf_counter() - t0,
+                "write_seconds": t1 - t0, "load_seconds": t2 - t1, "check_seconds": t3 - t2}
 
     @property
     def weights_root(self) -> Optional[Path]:
@@ -293,13 +305,6 @@ class InferenceServer:
         reply = self.client.push_weights(weights_dir, version, mode=mode)
         self._served = (weights_dir, version, mode)
         return reply
-
-    def _serving_view(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The pushed tensors as the engine received them: cast to the serving dtype (no copy when
-        the gather already cast them), a tied lm_head dropped as write_weights drops it."""
-        config = json.loads((Path(self.model_dir) / "config.json").read_text())
-        cast = {k: v.to(self.serve_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-        return drop_tied_lm_head(cast, config)
 
     # -- lifecycle
     def _report_restart(self, error: Exception) -> None:

@@ -209,12 +209,15 @@ def broadcast_json(obj, src: int = 0):
 
 
 def gather_full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The whole model on rank 0's CPU (other ranks get {}), for weight pushes.
+    """The whole model for rank 0 (other ranks get {}), for weight pushes.
 
-    Collective. One tensor at a time: each rank casts its shard to `dtype` ON ITS DEVICE first (a
-    bf16 push gathers half the bytes of the fp32 master weights), the shards are all-gathered, and
-    rank 0 copies the full tensor to CPU. Tied parameters (lm_head = embed_tokens) are gathered
-    once and appear under both names."""
+    Collective. One tensor at a time: a shard that has to move (all-gathered across ranks, or
+    copied off an accelerator) is cast to `dtype` ON ITS DEVICE first, so a bf16 push moves half
+    the bytes of the fp32 master weights, and rank 0 gets the full tensor on CPU. A tensor that
+    does not move (one CPU rank) is returned as it is, a view of the parameter: casting it here
+    would only fill a fresh buffer (page faults cost more than the cast) that the writer copies
+    again, so write_weights casts it while writing. Tied parameters (lm_head = embed_tokens) are
+    gathered once and appear under both names."""
     from torch.distributed.tensor import DTensor
 
     is_main = not dist.is_initialized() or dist.get_rank() == 0
@@ -227,7 +230,8 @@ def gather_full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = N
             continue
         first_name[id(param)] = name
         local = param.detach()
-        if dtype is not None and local.is_floating_point():
+        moves = local.device.type != "cpu" or (isinstance(local, DTensor) and local.device_mesh.size() > 1)
+        if moves and dtype is not None and local.is_floating_point():
             local = local.to(dtype)
         full = local.full_tensor() if isinstance(local, DTensor) else local
         if is_main:

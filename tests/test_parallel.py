@@ -169,3 +169,23 @@ def test_visible_gpus_and_launch_env():
     env = launch_env({"RANK": "9", "WORLD_SIZE": "14", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "7", "GROUP_RANK": "1"})
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (9, 14, 2, 7, 1)
     assert launch_env({}) == launch_env({"RANK": "0", "WORLD_SIZE": "1"})
+
+
+def test_an_unmoved_gather_returns_the_parameters_themselves():
+    """On one CPU rank nothing moves, so the push's gather returns views of the fp32 parameters
+    (no fresh cast buffer to fault in) and write_weights casts while writing; tied weights appear
+    under both names. (A tensor that moves is cast on its device first: the 2-rank path.)"""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from grpo.parallel import gather_full_state_dict
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    full = gather_full_state_dict(model, dtype=torch.bfloat16)
+    params = model.state_dict()
+    assert list(full) == list(params)
+    for name, t in full.items():
+        assert t.dtype == torch.float32 and t.data_ptr() == params[name].data_ptr(), name
+    assert full["lm_head.weight"] is full["model.embed_tokens.weight"]

@@ -514,6 +514,35 @@ def test_engine_fingerprint_matches_the_push_and_catches_a_different_load(server
         server.push(sd, version + 1, step=0)
 
 
+def _group_cpu_seconds(pgid: int) -> float:
+    """user + system CPU seconds of every live process in a process group (from /proc)."""
+    total = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{d}/stat").read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid:  # field 5, the process group
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.vllm
+def test_idle_server_leaves_the_cores_to_the_trainer(server, tiny):
+    """A CPU server shares its cores with the trainer, so between requests it must not spin. vLLM's
+    worker busy-waits a full core for 1 s after every message (its shared-memory queue polls before
+    sleeping); the launched CPU server sets that to 0. Measured after a generate: the whole server
+    process group used ~0.8 CPU-s in the next second before, ~0.0 after."""
+    _greedy(server.client, tiny["prompt_ids"])
+    before = _group_cpu_seconds(server.pid)
+    time.sleep(1.0)
+    used = _group_cpu_seconds(server.pid) - before
+    assert used < 0.3, f"the idle server used {used:.2f} CPU-s in 1 s"
+
+
 @pytest.mark.vllm
 @pytest.mark.last_in_module
 def test_stop_leaves_no_process(server):

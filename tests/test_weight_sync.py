@@ -184,3 +184,87 @@ def test_prune_keeps_last_and_serving(tmp_path):
     assert not dead_tmp.exists() and live_tmp.exists()
     with pytest.raises(ValueError, match="keep_last"):
         prune_weights(root, keep_last=0)
+
+
+def test_writer_casts_while_writing_any_layout(tmp_path):
+    """write_weights takes the trainer's tensors as they are (fp32 masters, transposed views,
+    integer buffers, empty tensors) and casts only the floating ones while copying them into
+    the file: the file equals safetensors' own reading of the cast tensors, byte for byte in
+    values, and read_safetensors' memory-mapped views equal them too."""
+    from grpo.weight_sync import read_safetensors
+
+    g = torch.Generator().manual_seed(3)
+    sd = {
+        "model.embed_tokens.weight": torch.randn(37, 5, generator=g),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(5, 11, generator=g).t(),  # not contiguous
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(3, generator=g, dtype=torch.float64),
+        "model.rotary.inv_freq_steps": torch.arange(7, dtype=torch.int64),  # not floating: kept as is
+        "model.empty": torch.empty(0, 4),
+    }
+    out = write_weights(sd, _config_dir(tmp_path), tmp_path / "r", 1, 1, torch.bfloat16, hash_algo="blake3")
+    verify_weights_dir(out, tmp_path / "r")
+    views = read_safetensors(out / "model.safetensors")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(sd)
+        for k, v in sd.items():
+            want = v.to(torch.bfloat16) if v.is_floating_point() else v
+            got = f.get_tensor(k)
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), k
+            assert torch.equal(views[k], want), k
+
+
+def test_tensor_moments_match_fp64_on_odd_shapes():
+    """The fast moments agree with fp64 reductions to ~1e-8 (the fingerprint tolerance is 1e-6) on
+    shapes that leave partial blocks and chunks, in fp32 and bf16, and with rounding to bf16."""
+    from grpo.weight_sync import tensor_moments
+
+    g = torch.Generator().manual_seed(4)
+    for shape in [(1,), (4095,), (4097,), (3, 1000, 357), ((1 << 20) + 4099,)]:
+        base = torch.randn(*shape, generator=g) * 0.02 + 0.003
+        for t, rounded in ((base, None), (base.to(torch.bfloat16), None), (base, torch.bfloat16)):
+            ref = t.to(rounded) if rounded is not None else t
+            n, s, q = tensor_moments(t, rounded_to=rounded)
+            s64 = float(torch.sum(ref, dtype=torch.float64))
+            q64 = float(torch.sum(ref.double() ** 2))
+            assert n == t.numel()
+            assert abs(s - s64) <= 1e-8 * (q64 * n) ** 0.5, (shape, t.dtype, rounded)
+            assert abs(q - q64) <= 1e-7 * q64, (shape, t.dtype, rounded)
+    assert tensor_moments(torch.empty(0)) == (0, 0.0, 0.0)
+    # rounding matters: an fp32 value between two bf16 values has other moments than its bf16 self
+    x = torch.full((10,), 1.0 + 2 ** -10)
+    assert tensor_moments(x)[1] != tensor_moments(x, rounded_to=torch.bfloat16)[1] == 10.0
+
+
+def test_fingerprint_mismatches_folds_packed_modules_and_names_the_culprit():
+    from grpo.weight_sync import fingerprint_mismatches, tensor_moments
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(4, 3, generator=g) for _ in range(3))
+    norm = torch.randn(3, generator=g)
+    pushed = {f"model.layers.0.self_attn.{n}_proj.weight": tensor_moments(t) for n, t in zip("qkv", (q, k, v))}
+    pushed["model.norm.weight"] = tensor_moments(norm)
+    engine = {"packed": {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+              "params": {"model.layers.0.self_attn.qkv_proj.weight": tensor_moments(torch.cat([q, k, v])),
+                         "model.norm.weight": tensor_moments(norm)}}
+    assert fingerprint_mismatches(pushed, engine) == []
+    engine["params"]["model.layers.0.self_attn.qkv_proj.weight"] = tensor_moments(torch.cat([q, k, v + 1e-3]))
+    assert fingerprint_mismatches(pushed, engine) == ["model.layers.0.self_attn.qkv_proj.weight"]
+    engine["params"]["model.layers.0.self_attn.qkv_proj.weight"] = (0, 0.0, 0.0)  # opaque (oneDNN): skipped
+    assert fingerprint_mismatches(pushed, engine) == []
+    del engine["params"]["model.norm.weight"]  # pushed but not held
+    assert fingerprint_mismatches(pushed, engine) == ["model.norm.weight"]
+
+
+def test_check_finite_names_the_tensor_with_nan_or_inf(tmp_path):
+    from grpo.weight_sync import check_finite, check_weights_dir
+
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        sd = _state_dict()
+        sd["model.layers.0.mlp.up_proj.weight"][2, 1] = bad
+        root = tmp_path / f"r{bad}"
+        out = write_weights(sd, _config_dir(tmp_path) if not (tmp_path / "model").exists() else tmp_path / "model",
+                            root, 1, 1, torch.bfloat16)
+        with pytest.raises(WeightPushError, match=r"tensor model\.layers\.0\.mlp\.up_proj\.weight: holds NaN or Inf"):
+            check_finite(check_weights_dir(out, root))
+    out = write_weights(_state_dict(), tmp_path / "model", tmp_path / "ok", 1, 1, torch.bfloat16)
+    check_finite(check_weights_dir(out, tmp_path / "ok"))
