@@ -303,9 +303,10 @@ class SampleAhead:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def plan_batch(run: Run, rollout: Rollout) -> tuple[list[MicroBatch], tuple[int, int]]:
+def plan_batch(run: Run, rollout: Rollout) -> tuple[list[MicroBatch], tuple[int, int], dict]:
     """This rank's share in micro-batches of <= optim.token_budget padded tokens, as many on every
-    rank (at least one), and the whole batch's (num_seqs, num_tokens) denominators (summed over ranks).
+    rank (at least one), the whole batch's (num_seqs, num_tokens) denominators and the tokens the
+    train part runs, real and padded (all summed over ranks).
 
     Sequences that contribute nothing (eq. 8 masked groups, RED-dropped, truncated-masked) are
     counted in the denominators as objective.count_masked says, but never run forward or backward:
@@ -323,8 +324,11 @@ def plan_batch(run: Run, rollout: Rollout) -> tuple[list[MicroBatch], tuple[int,
     # is masked), so the optimizer step is the one the full forward would give
     plan = equalize_micro_batches(plan, max(int(all_reduce_max(len(plan))), 1))
     micro_batches = [collate([live[j] for j in idx], run.tokenizer.pad_token_id, run.dist.device) for idx in plan]
-    totals = all_reduce_sum({"seqs": seqs, "tokens": tokens})
-    return micro_batches, (max(int(totals["seqs"]), 1), max(int(totals["tokens"]), 1))
+    totals = all_reduce_sum({"seqs": seqs, "tokens": tokens,
+                             "train_tokens": sum(len(s.prompt_ids) + len(s.completion_ids) for s in live),
+                             "train_padded_tokens": sum(mb.input_ids.numel() for mb in micro_batches)})
+    shape = {"train_tokens": totals["train_tokens"], "train_padded_tokens": totals["train_padded_tokens"]}
+    return micro_batches, (max(int(totals["seqs"]), 1), max(int(totals["tokens"]), 1)), shape
 
 
 @dataclass
@@ -468,7 +472,7 @@ def main(argv=None) -> int:
                 rollout = sample_batch(run, progress, batch_seed(cfg, stage, k))
                 if run.dist.is_main and run.ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
                     run.ahead.start(run, progress, batch_seed(cfg, stage, k + 1))
-                micro_batches, denominators = plan_batch(run, rollout)
+                micro_batches, denominators, shape = plan_batch(run, rollout)
 
                 # i SGD iterations on this batch (pi_k = the policy before the first of them)
                 cache = BatchCache()
@@ -481,7 +485,7 @@ def main(argv=None) -> int:
                     row = metrics.train_row(
                         progress, stage, k, it, rollout.stats, train_stats,
                         entropy=entropy_sum / max(train_stats["num_tokens"], 1.0), grad_norm=grad_norm,
-                        lr=run.scheduler.get_last_lr()[0], time_train=time.time() - t0,
+                        lr=run.scheduler.get_last_lr()[0], time_train=time.time() - t0, shape=shape,
                         time_sync=push["seconds"] if it == 0 else 0.0, sync_bytes=push["bytes"] if it == 0 else 0.0,
                         iteration_seconds=time.time() - t_iter)
                     run.logger.log(row)

@@ -11,10 +11,18 @@ i=1, no eval. Three settings, each M iterations:
 Per setting, the mean over iterations 2..M (the first pays one-off start-up and cannot overlap) of
 generate / wait / reward / train / push seconds, the iteration's wall seconds (time_iteration),
 and seconds per 1000 completion tokens (so runs with different completion lengths compare).
+The train part also as tokens/s and achieved model FLOP/s: 6 x params x tokens for the policy's
+forward+backward plus 2 x params x tokens for the reference forward (beta > 0), over the real
+prompt+completion tokens trained (train_tokens; padding is reported as its own fraction).
+
+--task arithmetic (default): the CPU demo's prompts (cpu_demo.yaml, short answers).
+--task gsm8k: GSM8K train questions with the boxed-answer system prompt and instruction,
+eq. 8 masking off, token budget 2048 (the issue's 33 s-per-iteration work; completions run to
+~120 of the 128 tokens).
 The headline ratio is v10-ahead / v10 seconds per iteration (target on 2 CPU cores <= 0.85; on a
 GPU node, where the server has its own GPU, <= 1.1x the slower of generate and train).
 
-    .venv/bin/python bench/step.py [--iterations 4] [--model tiny]
+    .venv/bin/python bench/step.py [--iterations 4] [--model tiny] [--task gsm8k] [--only v1]
 
 Prints one JSON line per setting, then a final JSON line with all and the ratio.
 """
@@ -34,11 +42,17 @@ sys.path.insert(0, str(ROOT))
 
 SETTINGS = {"v1": ["grpo.v=1"], "v10": ["grpo.v=10", "grpo.sample_ahead=false"],
             "v10-ahead": ["grpo.v=10", "grpo.sample_ahead=true"]}
+TASKS = {
+    "arithmetic": [],
+    "gsm8k": ["data.dataset=gsm8k_train", "data.system_prompt=You are a helpful assistant that solves math problems.",
+              "data.instruction=Please reason step by step, and put your final answer within \\boxed{}.",
+              "objective.mask_zero_variance=false", "optim.token_budget=2048"],
+}
 PARTS = {"generate": "time_generate", "wait": "time_wait_generate", "reward": "time_reward", "train": "time_train",
          "push": "time_sync", "iteration": "time_iteration"}
 
 
-def run(model_dir: Path, name: str, out_dir: Path, iterations: int, extra: list[str]) -> dict:
+def run(model_dir: Path, name: str, out_dir: Path, iterations: int, extra: list[str], params: int) -> dict:
     overrides = [
         f"model.path={model_dir}", f"log.run_name={name}", f"log.out_dir={out_dir}", "log.wandb_mode=disabled",
         "log.progress=false", f"grpo.M={iterations}", "grpo.S=1", "grpo.i=1", "grpo.G=8", "grpo.batch_prompts=8",
@@ -59,7 +73,13 @@ def run(model_dir: Path, name: str, out_dir: Path, iterations: int, extra: list[
         raise SystemExit("bench/step.py: --iterations must be >= 2 (the first is left out)")
     mean = {part: sum(r[key] for r in rows) / len(rows) for part, key in PARTS.items()}
     completion_tokens = sum(r["completion_len_mean"] for r in rows) / len(rows) * 64
+    train_tokens = sum(r["train_tokens"] for r in rows) / len(rows)
+    padded = sum(r["train_padded_tokens"] for r in rows) / len(rows)
+    flop = (6 + 2) * params * train_tokens  # policy forward+backward, reference forward (beta 0.04 > 0)
     return {**{f"{part}_s": round(v, 2) for part, v in mean.items()},
+            "train_tokens": round(train_tokens), "padding_frac": round(1 - train_tokens / max(padded, 1), 3),
+            "train_tokens_per_s": round(train_tokens / mean["train"], 1),
+            "train_gflop_per_s": round(flop / mean["train"] / 1e9, 1),
             "completion_tokens": round(completion_tokens),
             "s_per_1000_completion_tokens": round(1000 * mean["iteration"] / completion_tokens, 2),
             "reward_mean": round(sum(r["reward_mean"] for r in rows) / len(rows), 3),
@@ -72,6 +92,7 @@ def main() -> None:
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
                     help="tiny: the tests' random model, a quick check that the script runs")
     ap.add_argument("--only", nargs="+", choices=list(SETTINGS), help="run only these settings")
+    ap.add_argument("--task", choices=list(TASKS), default="arithmetic")
     args = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,10 +105,15 @@ def main() -> None:
             from grpo.models import build_smollm2_dir
 
             model, extra = build_smollm2_dir(ROOT / ".cache/models/smollm2"), []
+        from grpo.models import load_model
+
+        params = sum(p.numel() for p in load_model(model).parameters())  # tied weights once
         for name in args.only or SETTINGS:
-            results[name] = run(model, name, tmp / "runs", args.iterations, SETTINGS[name] + extra)
-            print(json.dumps({"setting": name, "model": args.model, **results[name]}), flush=True)
-    summary = {"model": args.model, "load_avg_1min": round(os.getloadavg()[0], 2), **results}
+            results[name] = run(model, name, tmp / "runs", args.iterations, SETTINGS[name] + TASKS[args.task] + extra,
+                                params)
+            print(json.dumps({"setting": name, "model": args.model, "task": args.task, **results[name]}), flush=True)
+    summary = {"model": args.model, "task": args.task, "params": params,
+               "load_avg_1min": round(os.getloadavg()[0], 2), **results}
     if "v10" in results and "v10-ahead" in results:
         ratio = results["v10-ahead"]["iteration_s"] / results["v10"]["iteration_s"]
         summary["v10_ahead_over_v10_seconds_per_iteration"] = round(ratio, 3)

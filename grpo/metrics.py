@@ -59,6 +59,8 @@ KEY_GROUPS: dict[str, str] = {
     # time/: where the wall clock went, throughput, bytes moved for weight sync
     "time_*": "time",
     "tokens_per_s": "time",
+    "train_tokens": "time",
+    "train_padded_tokens": "time",
     "sync_bytes": "time",
     # bound/: the off-policy quantities of the paper's improvement bound (TV and KL of pi_k vs
     # alpha, the reward bound M)
@@ -351,12 +353,14 @@ TRAIN_KEYS = {
 
 def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_stats: dict, train_stats: dict, *,
               entropy: float, grad_norm: float, lr: float, time_train: float, time_sync: float, sync_bytes: float,
-              iteration_seconds: float) -> dict:
+              iteration_seconds: float, shape: Optional[dict] = None) -> dict:
     """The row of one optimizer step. progress: grpo.progress.Progress after the step;
     train_stats: grpo.objective.finalize_stats of the step's objective; entropy: of pi_k on the
     batch (per token); time_sync / sync_bytes: the push before this iteration (0 after its first
     step); iteration_seconds: wall time since the iteration began, push and eval included (logged as
-    time_iteration, and the denominator of tokens_per_s)."""
+    time_iteration, and the denominator of tokens_per_s); shape: train.plan_batch's train_tokens (the
+    prompt + completion tokens the train part runs forward and backward, all ranks; masked groups
+    are skipped) and train_padded_tokens (the same with the micro-batches' padding)."""
     batch_tokens = rollout_stats["prompt_tokens"] + rollout_stats["completion_tokens"]
     return {
         "step": progress.step, "stage": stage, "iteration": iteration, "sgd_iteration": sgd_iteration,
@@ -366,6 +370,7 @@ def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_
         "entropy": entropy, "grad_norm": grad_norm, "lr": lr, "nan_skips": progress.nan_skips,
         "time_train": time_train, "time_sync": time_sync, "sync_bytes": sync_bytes,
         "tokens_per_s": batch_tokens / max(iteration_seconds, 1e-9), "time_iteration": iteration_seconds,
+        **(shape or {}),
     }
 
 

@@ -64,7 +64,7 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
         O.contributing = lambda completion_mask, *a, **k: torch.ones(completion_mask.shape[0], dtype=torch.bool)
     batch = fixed_batch(vocab, cfg.grpo.batch_prompts, cfg.grpo.G, skewed=batch_kind == "skewed",
                         masked=batch_kind if "masked" in batch_kind else "", objective=cfg.objective)
-    mbs, denominators = train.plan_batch(run, Rollout(batch, {}, []))
+    mbs, denominators, _ = train.plan_batch(run, Rollout(batch, {}, []))
     cache, losses, norms, entropies = train.BatchCache(), [], [], []
     for it in range(cfg.grpo.i):
         stats, entropy_sum = train.sgd_iteration(run, mbs, cache, denominators)
