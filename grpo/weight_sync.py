@@ -342,7 +342,8 @@ def check_hashes(manifest: dict[str, Any]) -> None:
     """Recompute each listed file's hash; raises WeightPushError naming the first mismatch."""
     algo, real = manifest["hash"], Path(manifest["path"])
     for entry in manifest["files"]:
-        actual = hash_file(real / entry["name"], algo, threads=os.cpu_count() or 1)
+        # all cores but one: the engine reloads on that one meanwhile
+        actual = hash_file(real / entry["name"], algo, threads=max(1, (os.cpu_count() or 1) - 1))
         if actual != entry[algo]:
             raise WeightPushError(
                 f"{real / entry['name']}: {algo} mismatch (manifest {entry[algo][:16]}..., file {actual[:16]}...)")
