@@ -140,8 +140,10 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch
                     stored = _stored_dtype(t, dtype)
                     if t.numel():
                         dst = torch.frombuffer(mm, dtype=stored, count=t.numel(), offset=offset)
-                        dst.view(t.shape).copy_(t)  # cast + device-to-host + write, in one copy
-                        del dst
+                        try:
+                            dst.view(t.shape).copy_(t)  # cast + device-to-host + write, in one copy
+                        finally:
+                            del dst  # an export left alive would make closing the map fail
                     end = offset + t.numel() * stored.itemsize
                     ready.put((offset, end))
                     offset = end
