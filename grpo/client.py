@@ -40,6 +40,7 @@ class Completion:
 class GenerationResult:
     completions: list[list[Completion]]  # [prompt][sample]
     weights_version: int  # the pushed version that produced every completion here
+    threads: int = 0  # the engine's OpenMP threads while it sampled them (0: not reported, e.g. a GPU engine)
 
 
 class InferenceServerError(RuntimeError):
@@ -126,16 +127,19 @@ class InferenceClient:
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
                  top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None,
-                 seed: Optional[int] = None) -> GenerationResult:
+                 seed: Optional[int] = None, threads: Optional[int] = None) -> GenerationResult:
         """n samples for each prompt (token ids), with the sampled tokens' log-probs. With `seed`,
         the server reseeds its sampler and schedules this batch alone: the same weights, prompts
-        and seed give the same samples (how a resumed run repeats the uninterrupted one)."""
+        and seed give the same samples (how a resumed run repeats the uninterrupted one). threads:
+        a CPU engine's OpenMP threads for this batch (None: all it is bound to); its kernels round
+        differently with another count, so a batch's samples depend on it too."""
         out = self.request("POST", "/grpo/generate", json_body={
             "prompt_token_ids": [list(map(int, p)) for p in prompt_token_ids], "n": n, "max_tokens": max_tokens,
-            "temperature": temperature, "top_p": top_p, "stop_token_ids": stop_token_ids, "seed": seed})
+            "temperature": temperature, "top_p": top_p, "stop_token_ids": stop_token_ids, "seed": seed,
+            "threads": threads})
         return GenerationResult(
             completions=[[Completion(**c) for c in per_prompt] for per_prompt in out["completions"]],
-            weights_version=int(out["weights_version"]))
+            weights_version=int(out["weights_version"]), threads=int(out.get("threads") or 0))
 
     def push_weights(self, weights_dir: Path, version: int, mode: str = "path") -> dict:
         """Make the server serve `weights_dir` (from write_weights) as `version`: {version, seconds,

@@ -29,7 +29,7 @@ from typing import Literal, Optional
 import torch
 
 from grpo.client import GenerationResult, InferenceClient, InferenceServerError, ServerUnavailableError
-from grpo.layout import cpu_has_native_bf16
+from grpo.layout import cpu_has_native_bf16, parse_cpu_list
 from grpo.supervisor import ServerProcess
 from grpo.weight_sync import fingerprint_mismatches, prune_weights, pushed_moments, write_weights
 
@@ -171,6 +171,7 @@ class InferenceServer:
         self._served: Optional[tuple[Path, int, str]] = None  # (dir, version, mode): what a restart re-serves
         self._stopped = False
         self.serve_dtype = serve_dtype or serving_dtype(cfg, model_dir)
+        self.cpu_cores: Optional[list[int]] = None  # a launched CPU server: the cores its threads are bound to
 
     @property
     def url(self) -> str:
@@ -228,6 +229,8 @@ class InferenceServer:
         client = InferenceClient("http://unset", token, cfg.request_timeout_s, cfg.retry_deadline_s,
                                  death_check=process.death_reason)
         server = cls(cfg, client, model_dir, run_dir, root, process, token, serve_dtype=dtype)
+        if gpu is None:
+            server.cpu_cores = parse_cpu_list(env["VLLM_CPU_OMP_THREADS_BIND"])
         try:
             server._start(cfg.port)
         except BaseException:
@@ -239,10 +242,10 @@ class InferenceServer:
     # -- what the loop asks
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
                  top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None,
-                 seed: Optional[int] = None) -> GenerationResult:
+                 seed: Optional[int] = None, threads: Optional[int] = None) -> GenerationResult:
         """client.generate, surviving the death of a launched server (restart, re-serve, retry once)."""
         return self._surviving(lambda: self.client.generate(prompt_token_ids, n, max_tokens, temperature, top_p,
-                                                            stop_token_ids, seed))
+                                                            stop_token_ids, seed, threads))
 
     def _surviving(self, call):
         """call(); if a launched server died under it (before, during or after a push), restart it,

@@ -365,6 +365,7 @@ class GenerateRequest(BaseModel):
     top_k: int = -1
     stop_token_ids: Optional[list[int]] = None
     seed: Optional[int] = None  # reseed the sampler and run this batch alone: reproducible samples
+    threads: Optional[int] = Field(None, ge=1)  # CPU engine: OpenMP threads for this batch (None: all bound cores)
 
 
 class PushRequest(BaseModel):
@@ -372,7 +373,27 @@ class PushRequest(BaseModel):
     version: int = Field(ge=0)
 
 
-def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload_timeout_s: float = 600.0):
+class EngineThreads:
+    """A CPU engine's OpenMP thread count, as each generate request asks. vLLM's CPU kernels round
+    differently with another count (SmolLM2: log-probs ~3e-5 apart, 1 vs 2 threads), so a batch's
+    samples depend on it: each request names its count (None: all bound cores), never the previous
+    request. Changed through the worker extension, between engine steps, only when it differs."""
+
+    def __init__(self, engine, on_cpu: bool) -> None:
+        self.engine = engine
+        # what the last change asked for (None: all bound cores, as started); on a CPU engine the
+        # first request asks anyway, to learn (and report) the count; a GPU engine is never asked
+        self.asked: Optional[int] = -1 if on_cpu else None
+        self.now = 0  # the count the worker reported (0: unknown, a GPU engine)
+
+    async def use(self, threads: Optional[int]) -> None:
+        if threads != self.asked:
+            self.now = (await self.engine.collective_rpc("grpo_set_threads", args=(threads or 0,)))[0]
+            self.asked = threads
+
+
+def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload_timeout_s: float = 600.0,
+                on_cpu: bool = False):
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse
 
@@ -382,6 +403,7 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload
 
     router = APIRouter()
     seeded_lock = asyncio.Lock()  # one seeded batch at a time: reseeding is engine-global
+    threads = EngineThreads(state.engine, on_cpu)
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
@@ -446,6 +468,7 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload
             async with seeded_lock:
                 await state.engine.pause_generation(mode="wait", clear_cache=False)
                 try:
+                    await threads.use(req.threads)
                     await state.engine.collective_rpc("grpo_reseed", args=(req.seed,))
                     queues = [await state.engine.add_request(f"grpo-{base}-{i}", {"prompt_token_ids": ids}, params)
                               for i, ids in enumerate(req.prompt_token_ids)]
@@ -469,6 +492,7 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload
                 if req.seed is not None:
                     completions = await seeded_batch()
                 else:
+                    await threads.use(req.threads)
                     completions = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(req.prompt_token_ids)))
             except ValueError as e:
                 return error(400, str(e))
@@ -476,7 +500,7 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload
                 if state.engine.errored:
                     return error(503, f"the vLLM engine died: {type(e).__name__}: {e}")
                 raise
-        return {"completions": completions, "weights_version": version}
+        return {"completions": completions, "weights_version": version, "threads": threads.now}
 
     @router.post("/grpo/weights")
     async def push_path(req: PushRequest):
@@ -606,7 +630,10 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
         state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last,
                              dtype=serving_dtype_name(engine.model_config.dtype))
         vocab = engine.model_config.get_vocab_size()
-        app.include_router(make_router(state, vocab, engine.model_config.max_model_len, ns.upload_timeout_s))
+        from vllm.platforms import current_platform
+
+        app.include_router(make_router(state, vocab, engine.model_config.max_model_len, ns.upload_timeout_s,
+                                       on_cpu=current_platform.is_cpu()))
         guarded = Guarded(app, BearerAuth(GateRequests(app, state.gate), token))
         print(f"[grpo.server] serving {ns.model} on http://{ns.host}:{port} (weights root {root})", flush=True)
         shutdown = await serve_http(guarded, sock=sock, host=ns.host, port=port, log_level="warning",

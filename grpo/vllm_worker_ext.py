@@ -32,6 +32,21 @@ class GRPOWorkerExtension:
         packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
         return {"params": params, "packed": packed}
 
+    def grpo_set_threads(self, threads: int) -> int:
+        """Run the model on `threads` OpenMP threads from the next engine step on (0: all the cores
+        vLLM bound at start; more is capped there, so threads 0..n-1 stay on their own cores).
+        Returns the count now in use. This runs on the worker's busy-loop thread, the one that runs
+        the model steps, and vLLM's kernels share torch's libgomp, so the count reaches both."""
+        import torch
+
+        if not hasattr(self, "_grpo_bound_threads"):
+            self._grpo_bound_threads = torch.get_num_threads()
+        n = self._grpo_bound_threads if threads <= 0 else min(int(threads), self._grpo_bound_threads)
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op once its threads are bound
+        # (more would run unbound); fewer, or back up to the bound count, is safe: call the original
+        torch._C.set_num_threads(n)
+        return torch.get_num_threads()
+
     def grpo_idle_spin(self, seconds: float) -> int:
         """Set how long this worker busy-waits for the next engine message after each one.
 

@@ -544,6 +544,28 @@ def test_idle_server_leaves_the_cores_to_the_trainer(server, tiny):
 
 
 @pytest.mark.vllm
+def test_a_request_sets_the_engines_threads_for_its_batch(server, tiny):
+    """Where the trainer and the server share cores, a batch sampled ahead runs on half of the
+    server's threads (grpo.layout.core_split). Each request names its count (None: all bound
+    cores) and the reply says what the engine ran on. vLLM's CPU worker replaces
+    torch.set_num_threads with a no-op after binding its threads, so a plain call left the engine
+    on all of them (it reported 2 after asking for 1); the worker extension calls the original."""
+    bound = len(server.cpu_cores)
+    if bound < 2:
+        pytest.skip(f"the server is bound to {bound} core: nothing to split")
+    ids = tiny["prompt_ids"]
+    one = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, threads=1)
+    assert one.threads == 1
+    full = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7)
+    assert full.threads == bound
+    assert server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, threads=bound + 5).threads == bound
+    # the same (weights, prompts, seed, threads) samples the same batch, whichever count came before
+    again = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, threads=1)
+    assert [[c.token_ids for c in g] for g in again.completions] == [[c.token_ids for c in g] for g in one.completions]
+    assert [[c.logprobs for c in g] for g in again.completions] == [[c.logprobs for c in g] for g in one.completions]
+
+
+@pytest.mark.vllm
 @pytest.mark.last_in_module
 def test_stop_leaves_no_process(server):
     """It stops the module's server, so conftest runs it after every other test of the module."""
