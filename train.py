@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import time
@@ -40,8 +41,8 @@ from grpo.inference import InferenceServer, check_context_fits, serving_dtype
 from grpo.metrics import MetricsLogger
 from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_model_path
 from grpo.optim import build_optimizer, build_scheduler
-from grpo.layout import (LayoutError, cpu_has_native_bf16, overlap_is_free, plan_layout, training_dtype,
-                         visible_gpus)
+from grpo.layout import (CoreSplit, LayoutError, core_split, cpu_has_native_bf16, overlap_is_free, plan_layout,
+                         training_dtype, visible_gpus)
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
                            gather_full_state_dict, init_distributed, launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, PolicyLogprobs
@@ -186,6 +187,8 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         run.scorer = RewardScorer(cfg.reward)
         run.server = InferenceServer.launch(cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
                                             gpu_memory_utilization=layout.server_memory_fraction)
+        run.ahead.split = core_split(layout, info.world_size, torch.get_num_threads(), set(os.sched_getaffinity(0)),
+                                     run.server.cpu_cores)
     if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir:
         progress = reserve_alpha(run, progress)
     return run, progress
@@ -252,7 +255,7 @@ def batch_seed(cfg: TrainConfig, stage: int, k: int) -> int:
     return (cfg.seed * 1_000_003 + stage * cfg.grpo.M + k) % 2**31
 
 
-def sample_batch(run: Run, progress: Progress, seed: int) -> Rollout:
+def sample_batch(run: Run, progress: Progress, k: int, seed: int) -> Rollout:
     """Rank 0 samples the next prompts, G completions each from alpha, scores them (or takes the
     batch sampled ahead, waiting for it); every rank gets the rollout."""
     rollout = None
@@ -261,7 +264,7 @@ def sample_batch(run: Run, progress: Progress, seed: int) -> Rollout:
         pending = run.ahead.take(seed)
         rollout = pending.result() if pending else sample_rollout(
             run.server, run.sampler.next_batch(), run.tokenizer, run.cfg, run.scorer, seed,
-            expected_version=progress.weights_version)
+            expected_version=progress.weights_version, threads=run.ahead.server_threads(run.cfg, k))
         rollout.stats["time_wait_generate"] = time.time() - t0  # what the trainer waited for samples
         rollout = rollout.to_json()
     return Rollout.from_json(broadcast_json(rollout))
@@ -274,22 +277,44 @@ class SampleAhead:
     checkpoint stores the prompt cursor from before the early draw: the batch is sampled again
     on resume, never saved."""
 
-    def __init__(self, overlap_free: bool = True):
+    def __init__(self, overlap_free: bool = True, split: Optional[CoreSplit] = None):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sample-ahead")
         self.pending = None  # (seed, Future[Rollout], the prompt sampler's state before the draw)
         self.overlap_free = overlap_free  # grpo.layout.overlap_is_free: the default when the config says null
+        self.split = split  # grpo.layout.core_split: the trainer and a CPU server share cores (None: they do not)
 
     def wanted(self, cfg: TrainConfig, k_next: int) -> bool:
         """Sample batch k_next early? Only when no push (k mod v == 0) separates it from now."""
         on = cfg.grpo.sample_ahead if cfg.grpo.sample_ahead is not None else cfg.grpo.v > 1 and self.overlap_free
         return on and k_next < cfg.grpo.M and k_next % cfg.grpo.v != 0
 
-    def start(self, run: Run, progress: Progress, seed: int) -> None:
+    def server_threads(self, cfg: TrainConfig, k: int) -> Optional[int]:
+        """The server's threads for batch k where cores are split: half when k is sampled ahead,
+        all otherwise. A function of k alone, not of timing: vLLM's CPU kernels round differently
+        with another thread count, and a resumed run samples batch k in the foreground that the
+        uninterrupted run sampled ahead, so it must get the same count."""
+        if self.split is None or not cfg.grpo.split_cores:
+            return None
+        return self.split.server_overlapped if self.wanted(cfg, k) else self.split.server_alone
+
+    def start(self, run: Run, progress: Progress, k_next: int, seed: int) -> None:
         state_before = run.sampler.state_dict()
         problems = run.sampler.next_batch()
         future = self.pool.submit(sample_rollout, run.server, problems, run.tokenizer, run.cfg, run.scorer, seed,
-                                  expected_version=progress.weights_version)
+                                  expected_version=progress.weights_version,
+                                  threads=self.server_threads(run.cfg, k_next))
         self.pending = (seed, future, state_before)
+
+    def fit_trainer_threads(self, cfg: TrainConfig) -> None:
+        """This trainer's threads for the next piece of work: what the server leaves while it samples
+        ahead, all once it is done. The trainer's results do not depend on its thread count (fp32
+        forward and backward are bitwise equal on 1 and 2 threads), so timing may decide here."""
+        if self.split is None or not cfg.grpo.split_cores:
+            return
+        sampling = self.pending is not None and not self.pending[1].done()
+        threads = self.split.trainer_overlapped if sampling else self.split.trainer_alone
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
     def take(self, seed: int):
         """The pending batch if it is the one with this seed (else None)."""
@@ -354,6 +379,7 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
     num_seqs, num_tokens = denominators
     totals, entropy_sum = None, torch.zeros((), device=run.dist.device)
     for j, mb in enumerate(micro_batches):
+        run.ahead.fit_trainer_threads(cfg)  # cores shared with a CPU server sampling ahead: take what it leaves
         # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch.
         run.policy.set_requires_gradient_sync(j == len(micro_batches) - 1)
         if first:
@@ -370,6 +396,7 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
         out = run.policy(mb.input_ids, mb.completion_index, mb.completion_tokens, objective=inputs, with_entropy=first)
         # FSDP2 averages gradients over ranks; the weights already hold global denominators, so
         # scale back up to get the gradient of the whole batch's loss.
+        run.ahead.fit_trainer_threads(cfg)  # the backward is ~2/3 of the work: take the cores freed meanwhile
         (out.loss * run.dist.world_size).backward()
         if first:
             cache.logp_k.append(out.logp)
@@ -469,9 +496,9 @@ def main(argv=None) -> int:
                     evaluate_policy(run, progress)
 
                 # B prompts x G completions from alpha; rewards, advantages (eq. 2), mask (eq. 8)
-                rollout = sample_batch(run, progress, batch_seed(cfg, stage, k))
+                rollout = sample_batch(run, progress, k, batch_seed(cfg, stage, k))
                 if run.dist.is_main and run.ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
-                    run.ahead.start(run, progress, batch_seed(cfg, stage, k + 1))
+                    run.ahead.start(run, progress, k + 1, batch_seed(cfg, stage, k + 1))
                 micro_batches, denominators, shape = plan_batch(run, rollout)
 
                 # i SGD iterations on this batch (pi_k = the policy before the first of them)

@@ -61,6 +61,7 @@ KEY_GROUPS: dict[str, str] = {
     "tokens_per_s": "time",
     "train_tokens": "time",
     "train_padded_tokens": "time",
+    "server_threads": "time",
     "sync_bytes": "time",
     # bound/: the off-policy quantities of the paper's improvement bound (TV and KL of pi_k vs
     # alpha, the reward bound M)
@@ -339,7 +340,7 @@ class MetricsLogger:
 # logged as they are named there.
 ROLLOUT_KEYS = ("reward_mean", "reward_std", "group_std_mean", "pass_rate", "masked_frac", "zero_var_frac",
                 "red_drop_frac", "seq_weight_mean", "completion_len_mean", "truncated_frac", "reward_timeouts",
-                "bound_M", "bound_M_nonzero", "time_generate", "time_reward", "time_wait_generate")
+                "bound_M", "bound_M_nonzero", "time_generate", "time_reward", "time_wait_generate", "server_threads")
 # Logged name <- grpo.objective.finalize_stats name. kl is KL(pi || pi_ref) of eq. 7; tv_pik_alpha and
 # kl_pik_alpha are the drift between the trainer's pi_k and the sampler alpha (Theorem 1's terms).
 TRAIN_KEYS = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 import torch
 
@@ -50,17 +51,19 @@ class Rollout:
         return cls([Sample(**s) for s in obj["samples"]], obj["stats"], obj["table"])
 
 
-def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected_version: int) -> Rollout:
+def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected_version: int,
+                   threads: Optional[int] = None) -> Rollout:
     """G completions per prompt from the server's policy alpha (with alpha's log-probs), rewards,
     advantages (eq. 2) and weights (eq. 8 mask, RED). cfg is the TrainConfig (grpo, data,
     objective sections); server is a grpo.inference.InferenceServer that must be serving weights
     version `expected_version` (alpha): samples from any other policy would make every logged
-    off-policy quantity wrong, so a mismatch stops the run."""
+    off-policy quantity wrong, so a mismatch stops the run. threads: a CPU server's thread count
+    for this batch (None: all its cores), part of what the samples are a function of."""
     G = cfg.grpo.G
     prompt_ids = [encode_prompt(tokenizer, build_prompt(tokenizer, p, cfg.data)) for p in problems]
     t0 = time.time()
     result = server.generate(prompt_ids, n=G, max_tokens=cfg.grpo.max_new_tokens,
-                             temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, seed=seed)
+                             temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, seed=seed, threads=threads)
     t_generate = time.time() - t0
     if result.weights_version != expected_version:
         raise RuntimeError(f"the server sampled with weights version {result.weights_version}, the trainer "
@@ -88,6 +91,7 @@ def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected
         "reward_timeouts": float(reward_info.get("timeouts", 0)),
         "time_generate": t_generate,
         "time_reward": t_reward,
+        "server_threads": float(result.threads),  # 0: not reported (a GPU engine, or never changed)
         "prompt_tokens": float(sum(len(p) for p in prompt_ids) * G),
         "completion_tokens": float(sum(lengths)),
     }

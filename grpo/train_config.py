@@ -41,8 +41,12 @@ class GRPOConfig:
     temperature: float = 1.0  # sampling temperature; log-probs of pi, pi_k, pi_ref use the same T
     top_p: float = 1.0  # nucleus sampling (1.0 keeps alpha's log-probs exact)
     sample_ahead: Optional[bool] = None  # generate batch k+1 while training on k when no push separates them;
-    #                                      null: on for v > 1 where sampling has its own hardware (grpo.layout.overlap_is_free)
-    #                                      (None: on when v > 1); batches are the same either way
+    #                                      null: on for v > 1 where sampling has its own hardware (grpo.layout.overlap_is_free);
+    #                                      batches are the same either way (with split_cores off, or unshared cores)
+    split_cores: bool = True  # where the trainer and a CPU server share cores (grpo.layout.core_split): while the
+    #                           server samples ahead each side gets half, alone each gets all. Batches sampled ahead
+    #                           then run on fewer server threads, which vLLM's CPU kernels round differently: the run
+    #                           is reproducible and resumes exactly, but is not bitwise the run without sample-ahead
 
     def __post_init__(self):
         for name in ("S", "M", "v", "i", "batch_prompts", "max_new_tokens"):

@@ -58,7 +58,8 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     ref = train.build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
     optimizer = build_optimizer(policy, cfg.optim)
     run = SimpleNamespace(cfg=cfg, dist=info, policy=policy, ref_policy=ref, optimizer=optimizer,
-                          scheduler=build_scheduler(optimizer, 10, cfg.optim), tokenizer=SimpleNamespace(pad_token_id=0))
+                          scheduler=build_scheduler(optimizer, 10, cfg.optim), tokenizer=SimpleNamespace(pad_token_id=0),
+                          ahead=train.SampleAhead())  # nothing sampled ahead: the trainer keeps its threads
     vocab = policy.lm.config.vocab_size
     if os.environ.get("GRPO_NO_SKIP") == "1":  # the reference: every sequence runs forward and backward
         O.contributing = lambda completion_mask, *a, **k: torch.ones(completion_mask.shape[0], dtype=torch.bool)

@@ -97,6 +97,42 @@ def test_resume_inside_a_v_window_samples_from_alpha_again(model_dir, tmp_path, 
         _check_server_deaths_change_nothing(model_dir, tmp_path, common, a)
 
 
+def test_split_cores_runs_reproduce_and_resume_inside_a_window_exactly(model_dir, tmp_path):
+    """The trainer and the CPU server on the same two cores with sample-ahead on (grpo.split_cores):
+    a batch sampled ahead runs on half of the server's threads, any other on all of them, and that
+    count is a function of the batch index alone (vLLM's CPU kernels round differently with another
+    count). A run resumed inside a window samples its first batch in the foreground that the
+    uninterrupted run sampled ahead, on the same count, so it repeats that run exactly."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        pytest.skip("needs two cores to split")
+    common = ["grpo.S=1", "grpo.M=6", "grpo.v=3", "grpo.i=1", "checkpoint.every=2", "checkpoint.keep_last=3",
+              "eval_data=null", "grpo.sample_ahead=true", f"server.cpu_threads={cores[0]},{cores[1]}"]
+    two_threads = {**env(), "OMP_NUM_THREADS": "2"}  # the trainer's width alone; tests otherwise run it on one
+    full = subprocess.run(train_cmd(1, model_dir, tmp_path, "full", *common), cwd=ROOT, env=two_threads,
+                          capture_output=True, text=True, timeout=900)
+    assert full.returncode == 0, full.stderr[-4000:]
+    a = {r["step"]: r for r in read_rows(tmp_path / "full") if "loss" in r}
+    # batches 1, 2, 4, 5 are sampled ahead (half of the 2 threads); 0 and 3 follow a push (both)
+    assert [a[step]["server_threads"] for step in sorted(a)] == [2, 1, 1, 2, 1, 1]
+
+    import shutil
+    shutil.copytree(tmp_path / "full", tmp_path / "crash", symlinks=True)
+    shutil.rmtree(tmp_path / "crash" / "checkpoints" / "step_6")
+    shutil.rmtree(tmp_path / "crash" / "final")
+    resumed = subprocess.run(train_cmd(1, model_dir, tmp_path, "crash", *common, "--resume"), cwd=ROOT,
+                             env=two_threads, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    b = {r["step"]: r for r in read_rows(tmp_path / "crash") if "loss" in r}
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in (5, 6):  # step 5's batch: sampled ahead before, in the foreground after the resume
+        for key, value in a[step].items():
+            if not (key.startswith("time") or key == "tokens_per_s"):
+                assert b[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
+
+
 def _check_server_deaths_change_nothing(model_dir, tmp_path, common, uninterrupted):
     """The server's whole process group SIGKILLed before the first push (at the first generation),
     at the first push, and in the middle of a generation: the run finishes with every step and
