@@ -7,7 +7,9 @@ i=1, no eval. Three settings, each M iterations:
                (sample-ahead on and off are the same run by construction);
   v10          one v-window, sample-ahead off: generate, then train, in turn;
   v10-ahead    the same window with grpo.sample_ahead=true: batch k+1 is generated and scored
-               while the trainer trains on batch k.
+               while the trainer trains on batch k; where the trainer and the CPU server share
+               cores (this machine) they split them meanwhile (grpo.split_cores, grpo.layout.core_split);
+  v10-ahead-unsplit  the same without the split: both at full width on the same cores.
 Per setting, the mean over iterations 2..M (the first pays one-off start-up and cannot overlap) of
 generate / wait / reward / train / push seconds, the iteration's wall seconds (time_iteration),
 and seconds per 1000 completion tokens (so runs with different completion lengths compare).
@@ -41,7 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SETTINGS = {"v1": ["grpo.v=1"], "v10": ["grpo.v=10", "grpo.sample_ahead=false"],
-            "v10-ahead": ["grpo.v=10", "grpo.sample_ahead=true"]}
+            "v10-ahead": ["grpo.v=10", "grpo.sample_ahead=true"],
+            "v10-ahead-unsplit": ["grpo.v=10", "grpo.sample_ahead=true", "grpo.split_cores=false"]}
 TASKS = {
     "arithmetic": [],
     "gsm8k": ["data.dataset=gsm8k_train", "data.system_prompt=You are a helpful assistant that solves math problems.",
@@ -83,6 +86,7 @@ def run(model_dir: Path, name: str, out_dir: Path, iterations: int, extra: list[
             "completion_tokens": round(completion_tokens),
             "s_per_1000_completion_tokens": round(1000 * mean["iteration"] / completion_tokens, 2),
             "reward_mean": round(sum(r["reward_mean"] for r in rows) / len(rows), 3),
+            "server_threads": [int(r["server_threads"]) for r in rows],
             "iterations_averaged": len(rows), "wall_s_total": round(time.time() - t0, 1)}
 
 
@@ -118,6 +122,9 @@ def main() -> None:
         ratio = results["v10-ahead"]["iteration_s"] / results["v10"]["iteration_s"]
         summary["v10_ahead_over_v10_seconds_per_iteration"] = round(ratio, 3)
         summary["within_cpu_target_0.85"] = ratio <= 0.85
+    if "v10" in results and "v10-ahead-unsplit" in results:
+        ratio = results["v10-ahead-unsplit"]["iteration_s"] / results["v10"]["iteration_s"]
+        summary["v10_ahead_unsplit_over_v10_seconds_per_iteration"] = round(ratio, 3)
     print(json.dumps(summary))
 
 
