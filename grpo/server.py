@@ -75,7 +75,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--parent-pid", type=int, help="exit when this process (the trainer) is gone")
     p.add_argument("--upload-timeout-s", type=float, default=600.0, help="an upload's body must arrive within this")
-    p.add_argument("--idle-spin-s", type=float, help="seconds the engine's worker busy-waits after each message "
+    p.add_argument("--idle-spin-s", type=float, help="seconds the engine's processes busy-wait after each message "
                    "(default: vLLM's own, 1 s); 0 where the server shares its cores with the trainer")
     return p.parse_args(argv)
 
@@ -601,6 +601,8 @@ def vllm_args(ns: argparse.Namespace, port: int) -> argparse.Namespace:
         argv += ["--trust-remote-code"]
     if ns.enforce_eager:
         argv += ["--enforce-eager"]
+    if ns.idle_spin_s is not None:  # both ends of the engine's step queues wait quietly (grpo.vllm_executor)
+        argv += ["--distributed-executor-backend", "grpo.vllm_executor.QuietExecutor"]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     validate_parsed_serve_args(args)
     return args
@@ -625,8 +627,6 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
         tasks = await engine.get_supported_tasks()
         app = build_app(args, tasks, engine.model_config)
         await init_app_state(engine, app.state, args, tasks)
-        if ns.idle_spin_s is not None:
-            await engine.collective_rpc("grpo_idle_spin", args=(ns.idle_spin_s,))
         state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last,
                              dtype=serving_dtype_name(engine.model_config.dtype))
         vocab = engine.model_config.get_vocab_size()
@@ -661,6 +661,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     except WeightPushError as e:
         print(f"[grpo.server] {e}", file=sys.stderr)
         sys.exit(2)
+    if ns.idle_spin_s is not None:
+        from grpo.vllm_executor import SPIN_ENV
+
+        os.environ[SPIN_ENV] = str(ns.idle_spin_s)  # read in the engine-core process
     import uvloop
 
     uvloop.run(serve(ns, token))

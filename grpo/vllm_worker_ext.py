@@ -48,23 +48,25 @@ class GRPOWorkerExtension:
         return torch.get_num_threads()
 
     def grpo_idle_spin(self, seconds: float) -> int:
-        """Set how long this worker busy-waits for the next engine message after each one.
+        """Make this worker's shared-memory queue readers busy-wait `seconds` after each engine
+        message and then nap on their socket (grpo.vllm_executor.quiet_reader).
 
-        vLLM's shared-memory queue keeps polling (sched_yield) for 1 s after every read before it
-        sleeps on its socket: after each generate call, push or fingerprint the worker holds a full
-        core for a second. Where the trainer shares the cores with the server (the CPU machine),
-        that second is taken from training (measured: the trainer's 0.14 s push check took 0.8 s
-        right after the fingerprint call). Returns the number of queues changed (0: this vLLM
-        has no such queue, nothing to do)."""
+        vLLM's queue keeps polling (sched_yield) for 1 s after every read before it sleeps: after
+        each generate call, push or fingerprint the worker held a full core for a second, taken
+        from the trainer where the two share cores (measured: the trainer's 0.14 s push check took
+        0.8 s right after the fingerprint call). Returns the number of readers changed (0: this
+        vLLM has no such queue, nothing to do)."""
         import gc
 
         try:
             from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
         except ImportError:
             return 0
+        from grpo.vllm_executor import quiet_reader
+
         changed = 0
         for obj in gc.get_objects():
             if isinstance(obj, SpinCondition) and obj.is_reader:
-                obj.busy_loop_s = float(seconds)
+                quiet_reader(obj, float(seconds))
                 changed += 1
         return changed
