@@ -17,6 +17,7 @@ the run, so the group's time-out is `parallel.timeout_s` (default 4 hours).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import json
@@ -157,7 +158,13 @@ def shard_model(wrapper: torch.nn.Module, lm: torch.nn.Module, param_dtype: torc
     """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head).
 
     param_dtype=bf16 gives the usual mixed precision (bf16 compute, fp32 master weights and fp32
-    gradient reduction); None keeps fp32 compute (the CPU default)."""
+    gradient reduction); None keeps fp32 compute (CPUs without native bf16).
+
+    The root does not cast its forward's inputs to param_dtype (FSDP2's default does): they
+    include the objective's per-token fp32 tensors (the log-probs of alpha, pi_k and pi_ref, the
+    advantages and weights; grpo.policy.ObjectiveInputs), which bf16 rounds by up to 0.03 nat at
+    log-probs of -4 to -8: every ratio, IS weight and KL estimate was off by that much, and KL at
+    pi = pi_ref was 5e-5 instead of 0. The decoder layers still cast theirs (hidden states)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     mesh = training_mesh(next(lm.parameters()).device.type)
     for layer in decoder_layers(lm):
@@ -166,7 +173,7 @@ def shard_model(wrapper: torch.nn.Module, lm: torch.nn.Module, param_dtype: torc
 
             checkpoint(layer)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(wrapper, mesh=mesh, mp_policy=mp)
+    fully_shard(wrapper, mesh=mesh, mp_policy=dataclasses.replace(mp, cast_forward_inputs=False))
     return wrapper
 
 

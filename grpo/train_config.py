@@ -22,7 +22,7 @@ from kernels import KernelConfig
 @dataclass
 class ModelConfig:
     path: str = ".cache/models/smollm2"  # HF model directory (or hub name where the hub is reachable)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # training params: auto = bf16 mixed precision on GPU, fp32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # training params: auto = bf16 mixed precision on GPU and on CPUs that multiply bf16 (AMX, AVX512-BF16), else fp32
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (memory for time)
     trust_remote_code: bool = False  # allow model code from the model directory (off: safety)
 

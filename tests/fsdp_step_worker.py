@@ -66,11 +66,12 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     batch = fixed_batch(vocab, cfg.grpo.batch_prompts, cfg.grpo.G, skewed=batch_kind == "skewed",
                         masked=batch_kind if "masked" in batch_kind else "", objective=cfg.objective)
     mbs, denominators, _ = train.plan_batch(run, Rollout(batch, {}, []))
-    cache, losses, norms, entropies = train.BatchCache(), [], [], []
+    cache, losses, norms, entropies, kls = train.BatchCache(), [], [], [], []
     for it in range(cfg.grpo.i):
         stats, entropy_sum = train.sgd_iteration(run, mbs, cache, denominators)
         grad_norm, finite = train.optimizer_step(run)
         losses.append(float(stats["loss"]))
+        kls.append(O.finalize_stats(stats)["kl_mean"])
         norms.append(grad_norm)
         entropies.append(entropy_sum / max(float(stats["num_tokens"]), 1.0))  # what train.py logs at each step
     full = gather_full_state_dict(policy.lm)
@@ -79,7 +80,7 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     all_shapes = [None] * info.world_size
     torch.distributed.all_gather_object(all_shapes, shapes)
     checksum = float(sum(t.double().abs().sum() for t in full.values()))
-    return {"losses": losses, "grad_norms": norms, "param_abs_sum": checksum, "entropies": entropies,
+    return {"losses": losses, "grad_norms": norms, "param_abs_sum": checksum, "entropies": entropies, "kls": kls,
             "micro_batches": len(mbs), "world_size": info.world_size, "shapes": all_shapes}
 
 

@@ -13,8 +13,11 @@ from tiny_models import make_tiny_model_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "fsdp_step_worker.py")
+# fp32 compute whatever the machine (model.dtype auto is bf16 where the CPU multiplies bf16): these
+# tests compare steps number for number, with each other and with plain fp32 HF.
 OVERRIDES = ["grpo.batch_prompts=4", "grpo.G=4", "grpo.i=2", "optim.token_budget=48", "optim.lr=1e-3",
-             "objective.beta=0.1", "objective.ratio_anchor=exact", "grpo.temperature=0.7", "kernels.chunk_tokens=8"]
+             "objective.beta=0.1", "objective.ratio_anchor=exact", "grpo.temperature=0.7", "kernels.chunk_tokens=8",
+             "model.dtype=float32"]
 
 
 def run_worker(model_dir, out, nproc, tmp_path, batch="fixed", overrides=OVERRIDES):
@@ -93,6 +96,20 @@ def test_reference_swap_under_bf16_mixed_precision(results):
     assert proc.returncode == 0, proc.stderr[-4000:]
     gaps = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert gaps["before"] > 1e-3 and gaps["after"] == 0.0
+
+
+def test_bf16_mixed_precision_keeps_the_objective_inputs_in_fp32(results, tmp_path):
+    """Bug: FSDP2 casts a module's floating forward inputs to its param dtype, and the policy's root
+    forward takes the objective's per-token tensors (log-probs of alpha, pi_k, pi_ref, advantages,
+    weights): in bf16 they were rounded by up to 0.03 nat, so KL(pi || pi_ref) at pi = pi_ref (the
+    first step, both loaded from the same weights) was 5e-5 instead of 0, and every ratio and IS
+    weight was off as much. The root now leaves its inputs as they are (1 and 2 ranks)."""
+    model_dir, _, _ = results
+    bf16 = [o for o in OVERRIDES if not o.startswith("model.dtype")] + ["model.dtype=bfloat16"]
+    for nproc in (1, 2):
+        run = run_worker(model_dir, tmp_path / f"bf16_{nproc}.json", nproc, tmp_path, "fixed", bf16)
+        assert run["kls"][0] == 0.0
+        assert run["kls"][1] > 0  # after one update the estimator is live: the check is not vacuous
 
 
 SKEWED_BUDGET = 120
