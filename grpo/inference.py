@@ -52,7 +52,7 @@ class ServerConfig:
     #                                     else the run dir); attach with push_mode path: the server's own root
     keep_last: int = 2  # weight directories kept after each push (>= 1; the served one is always kept)
     push_mode: Literal["path", "bytes"] = "path"  # path: shared filesystem; bytes: file in the request body
-    weights_hash: Literal["sha256", "blake3"] = "sha256"  # manifest checksum; blake3 is ~2.3x faster here
+    weights_hash: Literal["sha256", "blake3"] = "blake3"  # manifest checksum: blake3 2.5x sha256 here (SHA-NI), more without
     startup_timeout_s: float = 600.0  # launch/restart waits this long for health, then shows the log
     request_timeout_s: float = 600.0  # one HTTP request (a whole generation batch) may take this long
     upload_timeout_s: float = 600.0  # launched server: a bytes-mode upload's body must arrive within this
@@ -149,6 +149,17 @@ def _default_parent(run_dir: Path, need_bytes: int, keep_last: int) -> Path:
     if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > need_bytes * (keep_last + 2) + (1 << 30):
         return shm
     return run_dir
+
+
+def _on_threads(threads: int, fn, *args):
+    """fn(*args) with torch's intra-op threads set to `threads` meanwhile (the caller's other
+    threads do no tensor work then: the trainer waits on the push request)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)
 
 
 class WeightsMismatchError(InferenceServerError):
@@ -270,9 +281,12 @@ class InferenceServer:
                                     dtype=self.serve_dtype, hash_algo=self.cfg.weights_hash, reuse_spare=True)
         t1 = time.perf_counter()
         # What the engine should hold, from the state dict itself (not from the file: a writer bug
-        # is caught too), computed in a thread while the server loads.
+        # is caught too), computed in a thread while the server loads; on one thread where the
+        # server's threads run on this trainer's cores (its reload leaves one core to its own hash
+        # check, and a second team of threads there would stall both).
+        threads = 1 if self.shares_cores() else torch.get_num_threads()
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push-moments") as pool:
-            expected = pool.submit(pushed_moments, state_dict, self.serve_dtype, self.model_dir)
+            expected = pool.submit(_on_threads, threads, pushed_moments, state_dict, self.serve_dtype, self.model_dir)
             reply = self._surviving(lambda: self._load(weights_dir, version, self.cfg.push_mode))
             t2 = time.perf_counter()
             expected = expected.result()
@@ -286,6 +300,10 @@ class InferenceServer:
         return {**reply, "server_seconds": reply.get("seconds", 0.0), "weights_dir": str(weights_dir),
                 "seconds": time.perf_counter() - t0,
                 "write_seconds": t1 - t0, "load_seconds": t2 - t1, "check_seconds": t3 - t2}
+
+    def shares_cores(self) -> bool:
+        """A launched CPU server whose threads are bound to cores this process runs on too."""
+        return bool(self.cpu_cores) and bool(set(self.cpu_cores) & set(os.sched_getaffinity(0)))
 
     @property
     def weights_root(self) -> Optional[Path]:

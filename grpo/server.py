@@ -237,11 +237,44 @@ def serving_dtype_name(dtype) -> str:
     return _ST_DTYPES.get(dtype, "")
 
 
+class EngineThreads:
+    """A CPU engine's OpenMP thread count, as each generate request and each push asks. vLLM's CPU
+    kernels round differently with another count (SmolLM2: log-probs ~3e-5 apart, 1 vs 2 threads),
+    so a batch's samples depend on it: each request names its count (None: all bound cores), never
+    the previous request. Changed through the worker extension, between engine steps, only when it
+    differs. `bound`: the cores the engine's threads are bound to (0: a GPU engine, never changed)."""
+
+    def __init__(self, engine, bound: int) -> None:
+        self.engine = engine
+        self.bound = bound
+        self.asked: Optional[int] = None  # what the last change asked for (None: all bound cores, as started)
+        self.now = bound  # the count the worker reported (0: a GPU engine)
+
+    @classmethod
+    async def start(cls, engine, on_cpu: bool) -> "EngineThreads":
+        bound = (await engine.collective_rpc("grpo_set_threads", args=(0,)))[0] if on_cpu else 0
+        return cls(engine, bound)
+
+    async def use(self, threads: Optional[int]) -> None:
+        if self.bound and threads != self.asked:
+            self.now = (await self.engine.collective_rpc("grpo_set_threads", args=(threads or 0,)))[0]
+            self.asked = threads
+
+    async def for_reload(self) -> None:
+        """A push: the engine reloads on all its cores but one, which the push's hash and finiteness
+        check (a thread of this process, meanwhile) takes. With both at full width on 2 cores, each
+        stalled the other (an OpenMP team waits at every barrier for the thread that lost its core):
+        SmolLM2 reload 0.45-0.57 s beside the check, 0.31-0.39 s on one thread."""
+        await self.use(self.bound - 1 if self.bound >= 2 else None)
+
+
 class WeightsState:
     """What the engine serves now, and the one place that changes it."""
 
-    def __init__(self, engine, model_dir: Path, weights_root: Path, keep_last: int, dtype: str = "") -> None:
+    def __init__(self, engine, model_dir: Path, weights_root: Path, keep_last: int, dtype: str = "",
+                 threads: Optional[EngineThreads] = None) -> None:
         self.engine = engine
+        self.threads = threads or EngineThreads(engine, bound=0)
         self.dtype = dtype  # safetensors name of the dtype the engine serves ("F32", "BF16"): pushes must match
         self.model_dir = model_dir
         self.root = weights_root
@@ -291,6 +324,7 @@ class WeightsState:
                 raise WeightPushError(f"tensor {name}: shape {shape}, the served model has {self.expected[name][1]}")
 
     async def _reload(self, path: Path) -> None:
+        await self.threads.for_reload()
         await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
 
     async def load(self, manifest: dict[str, Any], hashes_checked: bool) -> dict[str, Any]:
@@ -373,27 +407,7 @@ class PushRequest(BaseModel):
     version: int = Field(ge=0)
 
 
-class EngineThreads:
-    """A CPU engine's OpenMP thread count, as each generate request asks. vLLM's CPU kernels round
-    differently with another count (SmolLM2: log-probs ~3e-5 apart, 1 vs 2 threads), so a batch's
-    samples depend on it: each request names its count (None: all bound cores), never the previous
-    request. Changed through the worker extension, between engine steps, only when it differs."""
-
-    def __init__(self, engine, on_cpu: bool) -> None:
-        self.engine = engine
-        # what the last change asked for (None: all bound cores, as started); on a CPU engine the
-        # first request asks anyway, to learn (and report) the count; a GPU engine is never asked
-        self.asked: Optional[int] = -1 if on_cpu else None
-        self.now = 0  # the count the worker reported (0: unknown, a GPU engine)
-
-    async def use(self, threads: Optional[int]) -> None:
-        if threads != self.asked:
-            self.now = (await self.engine.collective_rpc("grpo_set_threads", args=(threads or 0,)))[0]
-            self.asked = threads
-
-
-def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload_timeout_s: float = 600.0,
-                on_cpu: bool = False):
+def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload_timeout_s: float = 600.0):
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse
 
@@ -403,7 +417,7 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload
 
     router = APIRouter()
     seeded_lock = asyncio.Lock()  # one seeded batch at a time: reseeding is engine-global
-    threads = EngineThreads(state.engine, on_cpu)
+    threads = state.threads
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
@@ -627,13 +641,19 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
         tasks = await engine.get_supported_tasks()
         app = build_app(args, tasks, engine.model_config)
         await init_app_state(engine, app.state, args, tasks)
-        state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last,
-                             dtype=serving_dtype_name(engine.model_config.dtype))
-        vocab = engine.model_config.get_vocab_size()
         from vllm.platforms import current_platform
 
-        app.include_router(make_router(state, vocab, engine.model_config.max_model_len, ns.upload_timeout_s,
-                                       on_cpu=current_platform.is_cpu()))
+        if current_platform.is_cpu():
+            # This process's own tensor work (a push's finiteness check) runs beside the engine's
+            # threads on the same cores: on one thread it never takes a core from their team.
+            import torch
+
+            torch.set_num_threads(1)
+        state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last,
+                             dtype=serving_dtype_name(engine.model_config.dtype),
+                             threads=await EngineThreads.start(engine, on_cpu=current_platform.is_cpu()))
+        vocab = engine.model_config.get_vocab_size()
+        app.include_router(make_router(state, vocab, engine.model_config.max_model_len, ns.upload_timeout_s))
         guarded = Guarded(app, BearerAuth(GateRequests(app, state.gate), token))
         print(f"[grpo.server] serving {ns.model} on http://{ns.host}:{port} (weights root {root})", flush=True)
         shutdown = await serve_http(guarded, sock=sock, host=ns.host, port=port, log_level="warning",

@@ -584,6 +584,13 @@ def test_a_request_sets_the_engines_threads_for_its_batch(server, tiny):
     full = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7)
     assert full.threads == bound
     assert server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, threads=bound + 5).threads == bound
+    # a push reloads on all cores but one (its hash check takes that one); the next batch asks for its own
+    _push_next(server, _perturbed(tiny["hf"], seed=21))
+    assert server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7).threads == bound
+    _push_next(server, _perturbed(tiny["hf"], seed=22))
+    one = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, threads=1)
+    assert one.threads == 1
+    server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7)
     # the same (weights, prompts, seed, threads) samples the same batch, whichever count came before
     again = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, threads=1)
     assert [[c.token_ids for c in g] for g in again.completions] == [[c.token_ids for c in g] for g in one.completions]

@@ -246,6 +246,22 @@ def test_a_push_held_by_another_name_is_never_overwritten(tmp_path):
     assert verify_weights_dir(out, root)["version"] == 6
 
 
+def test_the_writer_gives_back_the_threads_it_narrows(tmp_path):
+    """write_safetensors copies on one torch thread while its hash thread runs; the caller's count
+    is restored afterwards, also when a copy fails."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        write_weights(_state_dict(), _config_dir(tmp_path), tmp_path / "root", 1, 1, torch.bfloat16)
+        assert torch.get_num_threads() == 2
+        bad = {**_state_dict(), "model.norm.weight": torch.empty(4, device="meta")}  # its copy fails
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            write_weights(bad, tmp_path / "model", tmp_path / "root", 2, 2, torch.bfloat16)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_writer_casts_while_writing_any_layout(tmp_path):
     """write_weights takes the trainer's tensors as they are (fp32 masters, transposed views,
     integer buffers, empty tensors) and casts only the floating ones while copying them into
