@@ -31,7 +31,8 @@ import torch
 from grpo.client import GenerationResult, InferenceClient, InferenceServerError, ServerUnavailableError
 from grpo.layout import cpu_has_native_bf16, parse_cpu_list
 from grpo.supervisor import ServerProcess
-from grpo.weight_sync import fingerprint_mismatches, prune_weights, pushed_moments, write_weights
+from grpo.weight_sync import (fingerprint_mismatches, prune_weights, pushed_moments, unseen_by_fingerprint,
+                               write_weights)
 
 TOKEN_ENV = "GRPO_SERVER_TOKEN"
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -183,6 +184,7 @@ class InferenceServer:
         self._stopped = False
         self.serve_dtype = serve_dtype or serving_dtype(cfg, model_dir)
         self.cpu_cores: Optional[list[int]] = None  # a launched CPU server: the cores its threads are bound to
+        self._unseen = None  # pushed tensors the engine's fingerprint cannot show (known after the first push)
 
     @property
     def url(self) -> str:
@@ -286,12 +288,15 @@ class InferenceServer:
         # check, and a second team of threads there would stall both).
         threads = 1 if self.shares_cores() else torch.get_num_threads()
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push-moments") as pool:
-            expected = pool.submit(_on_threads, threads, pushed_moments, state_dict, self.serve_dtype, self.model_dir)
+            expected = pool.submit(_on_threads, threads, pushed_moments, state_dict, self.serve_dtype, self.model_dir,
+                                   self._unseen)
             reply = self._surviving(lambda: self._load(weights_dir, version, self.cfg.push_mode))
             t2 = time.perf_counter()
             expected = expected.result()
         if "fingerprint" in reply:
-            bad = fingerprint_mismatches(expected, reply.pop("fingerprint"))
+            fingerprint = reply.pop("fingerprint")
+            self._unseen = unseen_by_fingerprint(fingerprint)  # what the next push need not compute
+            bad = fingerprint_mismatches(expected, fingerprint)
             if bad:
                 raise WeightsMismatchError(f"push of version {version}: the engine holds other values than were "
                                            f"pushed for {', '.join(bad)}")

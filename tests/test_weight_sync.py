@@ -331,6 +331,30 @@ def test_fingerprint_mismatches_folds_packed_modules_and_names_the_culprit():
     assert fingerprint_mismatches(pushed, engine) == ["model.norm.weight"]
 
 
+def test_moments_the_fingerprint_cannot_see_are_not_computed(tmp_path):
+    """On a CPU engine the linear weights are packed into oneDNN handles (numel 0 in the
+    fingerprint): after the first push the trainer leaves their moments out, and the check of what
+    it still computes passes, and still names a norm the engine holds wrongly."""
+    from grpo.weight_sync import fingerprint_mismatches, pushed_moments, tensor_moments, unseen_by_fingerprint
+
+    sd = {"model.embed_tokens.weight": torch.randn(10, 4), "model.norm.weight": torch.randn(4),
+          "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4),
+          "model.layers.0.self_attn.k_proj.weight": torch.randn(2, 4),
+          "model.layers.0.mlp.down_proj.weight": torch.randn(4, 6)}
+    cfg = _config_dir(tmp_path, tie=True)
+    held = {k: tensor_moments(v, rounded_to=torch.bfloat16) for k, v in sd.items() if "proj" not in k}
+    engine = {"packed": {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+              "params": {**held, "model.layers.0.self_attn.qkv_proj.weight": (0, 0.0, 0.0),
+                         "model.layers.0.mlp.down_proj.weight": (0, 0.0, 0.0)}}
+    skip = unseen_by_fingerprint(engine)
+    assert [skip(k) for k in sd] == [False, False, True, True, True]
+    pushed = pushed_moments(sd, torch.bfloat16, cfg, skip=skip)
+    assert sorted(pushed) == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert fingerprint_mismatches(pushed, engine) == []
+    engine["params"]["model.norm.weight"] = tensor_moments(2 * sd["model.norm.weight"], rounded_to=torch.bfloat16)
+    assert fingerprint_mismatches(pushed, engine) == ["model.norm.weight"]
+
+
 def test_check_finite_names_the_tensor_with_nan_or_inf(tmp_path):
     from grpo.weight_sync import check_finite, check_weights_dir
 
