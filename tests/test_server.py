@@ -550,6 +550,26 @@ def test_idle_server_leaves_the_cores_to_the_trainer(server, tiny):
 
 
 @pytest.mark.vllm
+def test_the_engine_keeps_freed_memory_in_its_heap(server):
+    """Every push frees and re-allocates the engine's tensors; with glibc's defaults the freed memory
+    went back to the system and came back as fresh pages (32k page faults per SmolLM2 reload). The
+    launched CPU server's processes, the engine's workers included, run with the malloc settings
+    that keep it (grpo.inference.CPU_SERVER_MALLOC)."""
+    from grpo.inference import CPU_SERVER_MALLOC
+
+    environs = {}
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit() and os.getpgid(int(d)) == server.pid:
+                environs[d] = dict(kv.split("=", 1) for kv in open(f"/proc/{d}/environ").read().split("\0") if "=" in kv)
+        except (OSError, ProcessLookupError):
+            continue
+    assert len(environs) >= 2, environs.keys()  # the API server and at least one engine process
+    for pid, env in environs.items():
+        assert {k: env.get(k) for k in CPU_SERVER_MALLOC} == CPU_SERVER_MALLOC, pid
+
+
+@pytest.mark.vllm
 def test_a_batch_on_one_thread_leaves_the_other_core_to_the_trainer(server, tiny):
     """While the server samples ahead on half of its cores, the other half is the trainer's. vLLM's
     engine-core process polled its worker's result queue through the whole batch: SmolLM2 on one
