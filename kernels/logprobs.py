@@ -59,8 +59,10 @@ def torch_forward(logits, targets, inv_temperature, with_entropy, logp_alpha=Non
         logp[r0:r1] = torch.where(valid, log_p.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
         lse[r0:r1] = z.amax(dim=-1) - log_p.amax(dim=-1)
         if with_entropy:
-            # entr(p) = -p log p, and 0 where p == 0 (a -inf logit), so no nan from 0 * -inf.
-            entropy[r0:r1] = torch.special.entr(log_p.exp_()).sum(-1)
+            # H = -<p, log p> per row as one dot product: special.entr(p) takes a log per element
+            # again (2.4-3x slower over a [85, 49152] block, 6% of a SmolLM2 train micro-batch).
+            # log p clamped finite, so p = 0 (a -inf logit) gives 0, not 0 * -inf.
+            entropy[r0:r1] = -torch.linalg.vecdot(log_p.exp(), log_p.clamp_(min=torch.finfo(torch.float32).min))
     log_ratio = None
     if logp_alpha is not None:
         log_ratio = torch.where(targets >= 0, logp - logp_alpha.float(), 0.0)
