@@ -35,6 +35,7 @@ from grpo import objective as O
 from grpo.batching import MicroBatch, collate, equalize_micro_batches, plan_micro_batches
 from grpo.checkpoint import Checkpointer, export_hf
 from grpo.config import ConfigError, load_config, save_config, to_dict
+from grpo.cpu_memory import keep_freed_memory
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
 from grpo.evaluation import evaluate
 from grpo.inference import InferenceServer, check_context_fits, serving_dtype
@@ -146,6 +147,8 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.url is not None,
                          rank=env.rank, local_rank=env.local_rank, local_world_size=env.local_world_size,
                          node_rank=env.node_rank, memory_fraction=cfg.server.gpu_memory_utilization)
+    if layout.trainer_device == "cpu":
+        keep_freed_memory()  # every micro-batch re-allocates the same big tensors: no page faults for them
     info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s)
     if cfg.grpo.batch_prompts % info.world_size:
         raise ConfigError(f"grpo.batch_prompts: {cfg.grpo.batch_prompts} prompts do not split over "

@@ -29,6 +29,7 @@ from typing import Literal, Optional
 import torch
 
 from grpo.client import GenerationResult, InferenceClient, InferenceServerError, ServerUnavailableError
+from grpo.cpu_memory import malloc_env
 from grpo.layout import cpu_has_native_bf16, parse_cpu_list
 from grpo.supervisor import ServerProcess
 from grpo.weight_sync import (fingerprint_mismatches, prune_weights, pushed_moments, unseen_by_fingerprint,
@@ -123,17 +124,6 @@ def serving_dtype(cfg: ServerConfig, model_dir: str | os.PathLike, on_cpu: bool 
             cpu_has_native_bf16() if native_bf16 is None else native_bf16):
         return torch.float32
     return dtype
-
-
-# glibc malloc for a CPU engine: every push frees and re-allocates the same tensors (the reload's
-# layers, oneDNN's packed weights; SmolLM2's 56 MB embedding is above glibc's largest mmap
-# threshold, so it is mapped and unmapped each time). By default freed memory goes back to the
-# system and comes back as fresh pages (page faults; 32k per SmolLM2 reload, 4k with these):
-# keep it in the heap instead. bench/weight_sync.py --models smollm2 --repeats 7 (AMX machine): reload
-# 0.261 -> 0.228-0.244 s, push 0.402 -> 0.367-0.385 s. The engine's memory stays at its high-water
-# mark, as it would on a GPU. Set in the environment to override.
-CPU_SERVER_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(128 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
-                     "MALLOC_TOP_PAD_": str(256 << 20)}
 
 
 def _cpu_bind_list(cpu_threads: Optional[str]) -> str:
@@ -249,7 +239,7 @@ class InferenceServer:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_gb))
             env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind_list(cfg.cpu_threads)
             cmd += ["--idle-spin-s", "0"]  # its cores are the trainer's too: no busy-wait between requests
-            for key, value in CPU_SERVER_MALLOC.items():
+            for key, value in malloc_env().items():  # a push re-allocates the engine's layers: keep freed memory
                 env.setdefault(key, value)
         process = ServerProcess(cmd, env, server_dir, cfg.host)
         client = InferenceClient("http://unset", token, cfg.request_timeout_s, cfg.retry_deadline_s,

@@ -554,8 +554,8 @@ def test_the_engine_keeps_freed_memory_in_its_heap(server):
     """Every push frees and re-allocates the engine's tensors; with glibc's defaults the freed memory
     went back to the system and came back as fresh pages (32k page faults per SmolLM2 reload). The
     launched CPU server's processes, the engine's workers included, run with the malloc settings
-    that keep it (grpo.inference.CPU_SERVER_MALLOC)."""
-    from grpo.inference import CPU_SERVER_MALLOC
+    that keep it (grpo.cpu_memory)."""
+    from grpo.cpu_memory import malloc_env
 
     environs = {}
     for d in os.listdir("/proc"):
@@ -566,7 +566,7 @@ def test_the_engine_keeps_freed_memory_in_its_heap(server):
             continue
     assert len(environs) >= 2, environs.keys()  # the API server and at least one engine process
     for pid, env in environs.items():
-        assert {k: env.get(k) for k in CPU_SERVER_MALLOC} == CPU_SERVER_MALLOC, pid
+        assert {k: env.get(k) for k in malloc_env()} == malloc_env(), pid
 
 
 @pytest.mark.vllm
