@@ -85,7 +85,7 @@ def build_policy(cfg: TrainConfig, device: torch.device, trainable: bool) -> Pol
     compute = training_dtype(cfg.model.dtype, on_gpu, native_bf16)
     param_dtype = getattr(torch, compute) if compute else None
     policy = PolicyLogprobs(lm, cfg.grpo.temperature, cfg.kernels)
-    return shard_model(policy, lm, param_dtype, cfg.model.activation_checkpointing and trainable)
+    return shard_model(policy, lm, param_dtype, cfg.model.activation_checkpointing and trainable, cfg.model.compile)
 
 
 ALPHA_DIR = "alpha"  # in a checkpoint saved inside a v-window: the weights the server sampled from

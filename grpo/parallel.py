@@ -154,8 +154,14 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(wrapper: torch.nn.Module, lm: torch.nn.Module, param_dtype: torch.dtype | None,
-                activation_checkpointing: bool = False) -> torch.nn.Module:
+                activation_checkpointing: bool = False, compile_layers: bool = False) -> torch.nn.Module:
     """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head).
+
+    compile_layers: torch.compile each decoder layer before sharding it (torchtitan's order), with
+    dynamic shapes, since every micro-batch has its own rows and length: one compiled graph serves
+    every layer and every shape. What it fuses is the elementwise work between the matmuls (RMSNorm
+    with its fp32 round trip, rotary, SiLU * up, residual adds): SmolLM2 on this 2-core AMX CPU,
+    micro-batches of 5-9 x 218-230 tokens, 3.47-3.91 s -> 3.16-3.37 s, first step 14-30 s.
 
     param_dtype=bf16 gives the usual mixed precision (bf16 compute, fp32 master weights and fp32
     gradient reduction); None keeps fp32 compute (CPUs without native bf16).
@@ -172,6 +178,8 @@ def shard_model(wrapper: torch.nn.Module, lm: torch.nn.Module, param_dtype: torc
             from torch.distributed._composable import checkpoint
 
             checkpoint(layer)
+        if compile_layers:
+            layer.compile(dynamic=True)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(wrapper, mesh=mesh, mp_policy=dataclasses.replace(mp, cast_forward_inputs=False))
     return wrapper

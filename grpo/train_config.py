@@ -24,6 +24,7 @@ class ModelConfig:
     path: str = ".cache/models/smollm2"  # HF model directory (or hub name where the hub is reachable)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # training params: auto = bf16 mixed precision on GPU and on CPUs that multiply bf16 (AMX, AVX512-BF16), else fp32
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (memory for time)
+    compile: bool = False  # torch.compile each decoder layer (dynamic shapes): fuses the norms, rotary, SiLU*up and casts; ~10% per micro-batch on CPU, first step pays ~15-30 s
     trust_remote_code: bool = False  # allow model code from the model directory (off: safety)
 
 

@@ -166,6 +166,18 @@ def test_activation_checkpointing_gives_the_same_step(results, tmp_path_factory)
     assert ac["param_abs_sum"] == pytest.approx(two["param_abs_sum"], rel=1e-9)
 
 
+def test_compiled_layers_give_the_same_step(results, tmp_path_factory):
+    """model.compile compiles each decoder layer (dynamic shapes; the micro-batches here have
+    several shapes): the update is the uncompiled one up to fp32 reassociation in the fused ops."""
+    model_dir, one, _ = results
+    tmp = tmp_path_factory.mktemp("compile")
+    compiled = run_worker(model_dir, tmp / "one_compiled.json", 1, tmp, "fixed", OVERRIDES + ["model.compile=true"])
+    assert compiled["micro_batches"] == one["micro_batches"] > 1
+    assert compiled["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
+    assert compiled["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+    assert compiled["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
+
+
 def _run_pair(model_dir, tmp_path, nproc, batch, overrides, name):
     """The same step with masked sequences skipped (the trainer) and run (GRPO_NO_SKIP=1)."""
     skipped = run_worker(model_dir, tmp_path / f"{name}_skip.json", nproc, tmp_path, batch, overrides)
