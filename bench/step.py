@@ -26,7 +26,7 @@ eq. 8 masking off, token budget 2048 (the issue's 33 s-per-iteration work; compl
 The headline ratio is v10-ahead / v10 seconds per iteration (target on 2 CPU cores <= 0.85; on a
 GPU node, where the server has its own GPU, <= 1.1x the slower of generate and train).
 
-    .venv/bin/python bench/step.py [--iterations 4] [--model tiny] [--task gsm8k] [--only v1]
+    .venv/bin/python bench/step.py [--iterations 4] [--model tiny] [--task gsm8k] [--only v1] [--set model.compile=true]
 
 Prints one JSON line per setting, then a final JSON line with all and the ratio.
 """
@@ -100,6 +100,8 @@ def main() -> None:
                     help="tiny: the tests' random model, a quick check that the script runs")
     ap.add_argument("--only", nargs="+", choices=list(SETTINGS), help="run only these settings")
     ap.add_argument("--task", choices=list(TASKS), default="arithmetic")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every setting, e.g. model.compile=true")
     args = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,10 +118,10 @@ def main() -> None:
 
         params = sum(p.numel() for p in load_model(model).parameters())  # tied weights once
         for name in args.only or SETTINGS:
-            results[name] = run(model, name, tmp / "runs", args.iterations, SETTINGS[name] + TASKS[args.task] + extra,
+            results[name] = run(model, name, tmp / "runs", args.iterations, SETTINGS[name] + TASKS[args.task] + extra + args.set,
                                 params)
-            print(json.dumps({"setting": name, "model": args.model, "task": args.task, **results[name]}), flush=True)
-    summary = {"model": args.model, "task": args.task, "params": params,
+            print(json.dumps({"setting": name, "model": args.model, "task": args.task, "set": args.set, **results[name]}), flush=True)
+    summary = {"model": args.model, "task": args.task, "set": args.set, "params": params,
                "load_avg_1min": round(os.getloadavg()[0], 2), **results}
     if "v10" in results and "v10-ahead" in results:
         ratio = results["v10-ahead"]["iteration_s"] / results["v10"]["iteration_s"]
