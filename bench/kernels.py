@@ -6,6 +6,9 @@
   (c) fused:   kernels.lm_head_logprobs(hidden, W, targets, T)                    (chunks: [N, V] never exists)
   (d) fused_objective: kernels.lm_head_objective(...) with loss="reinforce" (-A logp), A = -g: the same
                loss, gradients computed during the forward (no recompute)
+  (c_ieee, d_ieee) with --dtype bfloat16 on a CPU that multiplies bf16 (AMX / AVX512-BF16): (c) and (d)
+               again with the head's GEMMs as IEEE fp32 GEMMs of upcast operands, the strategy before
+               oneDNN's bf16 math mode (kernels.lm_head.gemm_strategy), as the baseline of that mode
 
 at Qwen2.5-0.5B sizes (N=2048 tokens, H=896, V=151936, fp32) by default; backend "auto" = the torch
 implementation on CPU, Triton on CUDA. Each variant runs in its own subprocess. Memory on CPU is the
@@ -52,6 +55,11 @@ def forward(args, hidden, weight, targets, upstream):
 
     import kernels
 
+    if args.variant.endswith("_ieee"):  # the head's GEMMs without oneDNN's bf16 math mode
+        import kernels.lm_head
+
+        kernels.lm_head.CPU_BF16_MATH = False
+        args = argparse.Namespace(**{**vars(args), "variant": args.variant.removesuffix("_ieee")})
     if args.variant == "naive":
         log_probs = torch.log_softmax((hidden @ weight.t()).float() / args.temperature, dim=-1)
         logp = log_probs.gather(1, targets[:, None])[:, 0]
@@ -240,7 +248,8 @@ def main() -> None:
     ap.add_argument("--no-shared", action="store_true", help="skip the AOT shared-memory report")
     ap.add_argument("--loss-tokens", type=int, default=1 << 20, help="tokens of the loss-kernel comparison")
     ap.add_argument("--loss-repeats", type=int, default=5, help="forward+backward passes of the loss; the fastest counts")
-    ap.add_argument("--worker", choices=["naive", "logits", "fused", "fused_objective", "loss_torch", "loss_triton"],
+    ap.add_argument("--worker", choices=["naive", "logits", "fused", "fused_objective", "fused_ieee",
+                                         "fused_objective_ieee", "loss_torch", "loss_triton"],
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.chunk_tokens is None:
@@ -258,6 +267,11 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     plan = [("a_naive", "naive", args.chunk_tokens), ("b_logits", "logits", args.chunk_tokens),
             ("c_fused", "fused", args.chunk_tokens), ("d_fused_objective", "fused_objective", args.chunk_tokens)] + [(f"c_fused_chunk{c}", "fused", c) for c in args.chunk_sweep]
+    from kernels.lm_head import gemm_strategy
+
+    if args.device == "cpu" and gemm_strategy("cpu", getattr(__import__("torch"), args.dtype)) == "bf16_math":
+        plan += [("c_fused_ieee", "fused_ieee", args.chunk_tokens),
+                 ("d_fused_objective_ieee", "fused_objective_ieee", args.chunk_tokens)]
     results = {}
     # Rounds of a, b, c, ... in turn; each variant keeps its fastest round (the machine is shared,
     # so the minimum is the least disturbed figure). Memory is deterministic enough: the max is kept.
@@ -307,6 +321,9 @@ def main() -> None:
         summary["loss_triton"] = {"seconds": f["seconds"], "above_floor_mb": f["above_floor_mb"],
                                   "time_ratio_vs_torch": round(f["seconds"] / t["seconds"], 3),
                                   "mem_above_floor_ratio_vs_torch": round(f["above_floor_mb"] / max(t["above_floor_mb"], 1e-9), 3)}
+    for fast, slow in (("c_fused", "c_fused_ieee"), ("d_fused_objective", "d_fused_objective_ieee")):
+        if slow in results:  # oneDNN's bf16 math mode against IEEE fp32 GEMMs, same run
+            summary[fast]["time_ratio_vs_ieee_gemms"] = round(results[fast]["seconds"] / results[slow]["seconds"], 3)
     summary["floor_mb"] = base["floor_mb"]
     summary["shared_memory_max_bytes"] = results.get("shared_memory_max_bytes")
     c = summary["c_fused"]
