@@ -32,7 +32,8 @@ import torch
 
 from grpo import metrics
 from grpo import objective as O
-from grpo.batching import MicroBatch, collate, equalize_micro_batches, plan_micro_batches
+from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_batches, group_row_length,
+                           group_rows, plan_micro_batches)
 from grpo.checkpoint import Checkpointer, export_hf
 from grpo.config import ConfigError, load_config, save_config, to_dict
 from grpo.cpu_memory import keep_freed_memory
@@ -50,6 +51,7 @@ from grpo.policy import ObjectiveInputs, PolicyLogprobs
 from grpo.progress import Progress
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
+from grpo.shared_prompt import use_shared_prompt_attention
 from grpo.train_config import TrainConfig
 
 # ------------------------------------------------------------------------------------------------
@@ -84,6 +86,8 @@ def build_policy(cfg: TrainConfig, device: torch.device, trainable: bool) -> Pol
                       "it, ~30x slower than float32 here; model.dtype=auto chooses for the machine")
     compute = training_dtype(cfg.model.dtype, on_gpu, native_bf16)
     param_dtype = getattr(torch, compute) if compute else None
+    if cfg.optim.share_prompts:
+        use_shared_prompt_attention(lm)  # every forward then takes grpo.batching.collate_groups' rows
     policy = PolicyLogprobs(lm, cfg.grpo.temperature, cfg.kernels)
     return shard_model(policy, lm, param_dtype, cfg.model.activation_checkpointing and trainable, cfg.model.compile)
 
@@ -347,13 +351,22 @@ def plan_batch(run: Run, rollout: Rollout) -> tuple[list[MicroBatch], tuple[int,
                                         everything.truncated)
     keep = O.contributing(everything.completion_mask, everything.seq_weight, cfg.objective, everything.truncated)
     live = [s for s, k in zip(samples, keep.tolist()) if k]
-    plan = plan_micro_batches([len(s.prompt_ids) + len(s.completion_ids) for s in live], cfg.optim.token_budget)
+    pad, device = run.tokenizer.pad_token_id, run.dist.device
+    if cfg.optim.share_prompts:  # the unit is a group's row: its prompt once, its live completions as slots
+        units = group_rows(live, cfg.optim.token_budget)
+        lengths = [group_row_length(u) for u in units]
+        real_tokens = sum(len(u[0].prompt_ids) + sum(len(s.completion_ids) for s in u) for u in units)
+        build = lambda idx: collate_groups([units[j] for j in idx], pad, device)  # noqa: E731
+    else:
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in live]
+        real_tokens = sum(lengths)
+        build = lambda idx: collate([live[j] for j in idx], pad, device)  # noqa: E731
+    plan = plan_micro_batches(lengths, cfg.optim.token_budget)
     # one (possibly empty) micro-batch at least: every parameter then gets a gradient (zero when all
     # is masked), so the optimizer step is the one the full forward would give
     plan = equalize_micro_batches(plan, max(int(all_reduce_max(len(plan))), 1))
-    micro_batches = [collate([live[j] for j in idx], run.tokenizer.pad_token_id, run.dist.device) for idx in plan]
-    totals = all_reduce_sum({"seqs": seqs, "tokens": tokens,
-                             "train_tokens": sum(len(s.prompt_ids) + len(s.completion_ids) for s in live),
+    micro_batches = [build(idx) for idx in plan]
+    totals = all_reduce_sum({"seqs": seqs, "tokens": tokens, "train_tokens": real_tokens,
                              "train_padded_tokens": sum(mb.input_ids.numel() for mb in micro_batches)})
     shape = {"train_tokens": totals["train_tokens"], "train_padded_tokens": totals["train_padded_tokens"]}
     return micro_batches, (max(int(totals["seqs"]), 1), max(int(totals["tokens"]), 1)), shape
@@ -389,14 +402,16 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
             logp_ref = None
             if run.ref_policy is not None:
                 with torch.no_grad():
-                    logp_ref, _ = run.ref_policy(mb.input_ids, mb.completion_index, mb.completion_tokens)
+                    logp_ref, _ = run.ref_policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
+                                                 position_ids=mb.position_ids, segments=mb.segments)
             cache.logp_ref.append(logp_ref)
         mask = mb.completion_mask.bool()
         weights = O.token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=num_seqs,
                                   num_tokens=num_tokens, max_len=cfg.grpo.max_new_tokens, truncated=mb.truncated)[mask]
         inputs = ObjectiveInputs(mb.logp_alpha, None if first else cache.logp_k[j], cache.logp_ref[j],
                                  mb.adv[mb.seq_of_token], weights, cfg.objective)
-        out = run.policy(mb.input_ids, mb.completion_index, mb.completion_tokens, objective=inputs, with_entropy=first)
+        out = run.policy(mb.input_ids, mb.completion_index, mb.completion_tokens, objective=inputs, with_entropy=first,
+                         position_ids=mb.position_ids, segments=mb.segments)
         # FSDP2 averages gradients over ranks; the weights already hold global denominators, so
         # scale back up to get the gradient of the whole batch's loss.
         run.ahead.fit_trainer_threads(cfg)  # the backward is ~2/3 of the work: take the cores freed meanwhile

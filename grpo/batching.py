@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -71,7 +72,10 @@ class MicroBatch:
     adv: torch.Tensor  # [B]
     seq_weight: torch.Tensor  # [B]
     truncated: torch.Tensor  # [B] bool
-    seq_of_token: torch.Tensor  # [N] row of each flat token
+    seq_of_token: torch.Tensor  # [N] sequence of each flat token
+    # the shared-prompt layout (collate_groups; grpo.shared_prompt), None in the plain one:
+    position_ids: Optional[torch.Tensor] = None  # [R, L] positions restart at P in every slot
+    segments: Optional[torch.Tensor] = None  # [R, 3] int64 on the CPU: (P, W, n) of each group row
 
 
 def collate(samples: list[Sample], pad_id: int, device: torch.device) -> MicroBatch:
@@ -104,3 +108,65 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device) -> MicroBa
         truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool, device=device),
         seq_of_token=as_long(rows),
     )
+
+
+def group_row_length(group: list[Sample]) -> int:
+    """Tokens of a group's row in the shared-prompt layout: the prompt once, n slots of the longest."""
+    return len(group[0].prompt_ids) + len(group) * max(len(s.completion_ids) for s in group)
+
+
+def group_rows(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
+    """The shared-prompt layout's rows (the planner's units): each group's samples, longest
+    completion first, cut into as few rows as fit token_budget. A short-completion group is one
+    row (GSM8K: ~110 + 8 x 128 tokens); a long one (DeepScaleR: 4096 tokens) gets a row per slot
+    or few, each with its prompt again, so no row outgrows the micro-batch the plain layout would
+    have (a single slot over the budget goes alone, as a single sequence does in the plain one)."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group, []).append(s)
+    rows = []
+    for group in groups.values():
+        row: list[Sample] = []
+        for s in sorted(group, key=lambda s: -len(s.completion_ids)):
+            if row and group_row_length(row + [s]) > token_budget:  # longest first: row[0] sets the width
+                rows.append(row)
+                row = []
+            row.append(s)
+        rows.append(row)
+    return rows
+
+
+def collate_groups(groups: list[list[Sample]], pad_id: int, device: torch.device) -> MicroBatch:
+    """The shared-prompt layout (grpo.shared_prompt): one row per group, [prompt | slot 1 | ... |
+    slot n | padding], each slot a completion right-padded to the group's longest. The per-sequence
+    and per-token fields are those collate() gives for the same samples in the same order, so the
+    objective sees the same tensors; completion_index points into the rows (a slot's first token
+    is predicted by the prompt's last position, which every slot shares). No groups gives an empty
+    micro-batch (a one-token row)."""
+    samples = [s for g in groups for s in g]
+    flat = collate(samples, pad_id, device)
+    if not groups:
+        return MicroBatch(**{**flat.__dict__, "position_ids": torch.zeros_like(flat.input_ids),
+                             "segments": torch.tensor([[1, 0, 0]], dtype=torch.long)})
+    width = max(group_row_length(g) for g in groups)
+    input_ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(groups), width), dtype=torch.long)
+    segments, index = [], []
+    for r, group in enumerate(groups):
+        prompt = group[0].prompt_ids
+        if any(s.prompt_ids != prompt for s in group):
+            raise ValueError(f"group {group[0].group}: its samples do not share one prompt")
+        p, w = len(prompt), max(len(s.completion_ids) for s in group)
+        input_ids[r, :p] = torch.tensor(prompt, dtype=torch.long)
+        position_ids[r, :p] = torch.arange(p)
+        for i, s in enumerate(group):
+            start = p + i * w
+            input_ids[r, start:start + len(s.completion_ids)] = torch.tensor(s.completion_ids, dtype=torch.long)
+            position_ids[r, start:start + w] = torch.arange(p, p + w)
+            # completion token j is predicted by the position before it: the prompt's last for j = 0
+            index.extend(r * width + (p - 1 if j == 0 else start + j - 1) for j in range(len(s.completion_ids)))
+        segments.append([p, w, len(group)])
+    return MicroBatch(**{**flat.__dict__, "input_ids": input_ids.to(device),
+                         "completion_index": torch.tensor(index, dtype=torch.long, device=device),
+                         "position_ids": position_ids.to(device),
+                         "segments": torch.tensor(segments, dtype=torch.long)})

@@ -51,13 +51,16 @@ class PolicyLogprobs(torch.nn.Module):
         self.kernel_cfg = kernel_cfg
 
     def forward(self, input_ids: torch.Tensor, completion_index: torch.Tensor, completion_tokens: torch.Tensor,
-                objective: Optional[ObjectiveInputs] = None, with_entropy: bool = False):
+                objective: Optional[ObjectiveInputs] = None, with_entropy: bool = False,
+                position_ids: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None):
         """input_ids [B, L] right-padded prompt+completion (no attention mask needed: with causal
-        attention a real token never sees the padding after it). completion_index [N] flat indices
-        (b * L + t) of the positions whose NEXT token is a completion token, completion_tokens [N]
-        those tokens. Without `objective`: (logp [N] fp32, entropy [N] or None), differentiable.
-        With it: a PolicyOutput."""
-        hidden = self.lm.model(input_ids=input_ids).last_hidden_state
+        attention a real token never sees the padding after it), or with position_ids and segments
+        the shared-prompt group rows (grpo.batching.collate_groups, grpo.shared_prompt).
+        completion_index [N] flat indices (b * L + t) of the positions whose NEXT token is a
+        completion token, completion_tokens [N] those tokens. Without `objective`: (logp [N] fp32,
+        entropy [N] or None), differentiable. With it: a PolicyOutput."""
+        layout = {} if segments is None else {"position_ids": position_ids, "segments": segments}
+        hidden = self.lm.model(input_ids=input_ids, **layout).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, completion_index)
         weight = self.lm.lm_head.weight
         if hidden.dtype != weight.dtype:

@@ -72,6 +72,7 @@ class OptimConfig:
     schedule: Literal["constant", "cosine"] = "constant"  # after warmup
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
     token_budget: int = 4096  # padded tokens per micro-batch per rank; gradients accumulate over micro-batches
+    share_prompts: bool = False  # a group's prompt runs forward once, its completions as slots of one row (grpo/shared_prompt.py); same numbers, fewer tokens
 
     def __post_init__(self):
         if self.lr <= 0:

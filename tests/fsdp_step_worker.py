@@ -5,7 +5,8 @@
 BATCH: "fixed" (random lengths) or "skewed" (the first half of the groups long, one sequence longer
 than a small token budget, the second half short: ranks plan different micro-batch counts), or
 "masked" / "allmasked" (every other group / every group with one reward for all its completions:
-zero variance, masked by eq. 8 when objective.mask_zero_variance is on). With GRPO_NO_SKIP=1 in the
+zero variance, masked by eq. 8 when objective.mask_zero_variance is on); "grouped" / "grouped-masked":
+"fixed" / "masked" with one prompt per group (optim.share_prompts needs it). With GRPO_NO_SKIP=1 in the
 environment, masked sequences run forward and backward like the others (the reference for the skip).
 Runs train.py's own steps (plan_batch, sgd_iteration, optimizer_step) on a seeded batch, so the
 1-rank and 2-rank results can be compared number for number.
@@ -31,7 +32,9 @@ from grpo.train_config import TrainConfig  # noqa: E402
 
 
 def fixed_batch(vocab: int, prompts: int, G: int, skewed: bool = False, masked: str = "",
-                objective: O.ObjectiveConfig = O.ObjectiveConfig()) -> list[Sample]:
+                objective: O.ObjectiveConfig = O.ObjectiveConfig(), grouped: bool = False) -> list[Sample]:
+    """grouped: a group's samples share one prompt (as a real rollout's do; the shared-prompt layout
+    needs it); otherwise every sample has a prompt of its own."""
     rng = random.Random(0)
     rewards = [float(rng.random() < 0.5) for _ in range(prompts * G)]
     for j in range(prompts * G):
@@ -42,6 +45,8 @@ def fixed_batch(vocab: int, prompts: int, G: int, skewed: bool = False, masked: 
     for j in range(prompts * G):
         long = skewed and j < prompts * G // 2
         p = [rng.randrange(3, vocab) for _ in range(rng.randint(20, 30) if long else rng.randint(3, 7))]
+        if grouped:
+            p = p if j % G == 0 else samples[-1].prompt_ids
         c = [rng.randrange(3, vocab) for _ in range(rng.randint(10, 20) if long else rng.randint(1, 9))]
         if skewed and j == 0:
             c = c + [rng.randrange(3, vocab) for _ in range(100)]  # longer than the budget on its own
@@ -64,7 +69,8 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     if os.environ.get("GRPO_NO_SKIP") == "1":  # the reference: every sequence runs forward and backward
         O.contributing = lambda completion_mask, *a, **k: torch.ones(completion_mask.shape[0], dtype=torch.bool)
     batch = fixed_batch(vocab, cfg.grpo.batch_prompts, cfg.grpo.G, skewed=batch_kind == "skewed",
-                        masked=batch_kind if "masked" in batch_kind else "", objective=cfg.objective)
+                        masked=batch_kind.removeprefix("grouped-") if "masked" in batch_kind else "", objective=cfg.objective,
+                        grouped=batch_kind.startswith("grouped"))
     mbs, denominators, _ = train.plan_batch(run, Rollout(batch, {}, []))
     cache, losses, norms, entropies, kls = train.BatchCache(), [], [], [], []
     for it in range(cfg.grpo.i):
@@ -81,7 +87,8 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     torch.distributed.all_gather_object(all_shapes, shapes)
     checksum = float(sum(t.double().abs().sum() for t in full.values()))
     return {"losses": losses, "grad_norms": norms, "param_abs_sum": checksum, "entropies": entropies, "kls": kls,
-            "micro_batches": len(mbs), "world_size": info.world_size, "shapes": all_shapes}
+            "micro_batches": len(mbs), "world_size": info.world_size, "shapes": all_shapes,
+            "rows": sum(int(mb.input_ids.shape[0]) for mb in mbs)}  # this rank's (shared-prompt: group rows)
 
 
 def main():

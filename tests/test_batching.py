@@ -77,3 +77,35 @@ def test_empty_micro_batch_has_no_tokens():
     mb = collate([], pad_id=0, device=torch.device("cpu"))
     assert mb.input_ids.shape == (1, 1) and mb.completion_index.numel() == 0
     assert mb.completion_mask.shape == (0, 1) and mb.seq_weight.numel() == 0 and mb.logp_alpha.numel() == 0
+
+
+def test_group_rows_cut_a_group_to_fit_the_budget():
+    """Shared-prompt rows: longest completion first, as many slots as fit; a slot over the budget
+    alone; groups never mixed; every sample exactly once."""
+    group = [make(0, 5, c) for c in (10, 3, 8, 2, 30)]
+    other = [make(1, 4, c) for c in (2, 2)]
+    rows = batching.group_rows(group + other, token_budget=25)
+    assert [[len(s.completion_ids) for s in row] for row in rows] == [[30], [10, 8], [3, 2], [2, 2]]
+    assert [batching.group_row_length(row) for row in rows] == [35, 25, 11, 8]
+    assert sorted(id(s) for row in rows for s in row) == sorted(id(s) for s in group + other)
+    assert batching.group_rows(group, token_budget=10_000) == [sorted(group, key=lambda s: -len(s.completion_ids))]
+
+
+def test_collate_groups_slots_see_the_positions_of_the_plain_layout():
+    """One row per group: [prompt | slot | slot | pad]. Each completion token is predicted from a
+    position whose position id is the one it has in the plain layout (P + j - 1), from the prompt's
+    last position for a slot's first token; the per-sequence fields are collate()'s."""
+    groups = [[make(0, 3, 2), make(0, 3, 4)], [make(1, 2, 1)]]
+    mb = batching.collate_groups(groups, pad_id=0, device=torch.device("cpu"))
+    plain = collate([s for g in groups for s in g], pad_id=0, device=torch.device("cpu"))
+    assert mb.input_ids.tolist() == [[10, 11, 12, 100, 101, 0, 0, 100, 101, 102, 103],
+                                     [10, 11, 100, 0, 0, 0, 0, 0, 0, 0, 0]]
+    assert mb.segments.tolist() == [[3, 4, 2], [2, 1, 1]]
+    width = mb.input_ids.shape[1]
+    assert mb.completion_index.tolist() == [2, 3, 2, 7, 8, 9, width + 1]
+    assert mb.position_ids.view(-1)[mb.completion_index].tolist() == [2, 3, 2, 3, 4, 5, 1]
+    assert mb.completion_tokens.tolist() == plain.completion_tokens.tolist()
+    for name in ("completion_mask", "logp_alpha", "adv", "seq_of_token"):
+        assert torch.equal(getattr(mb, name), getattr(plain, name)), name
+    with pytest.raises(ValueError, match="group 0"):
+        batching.collate_groups([[make(0, 3, 2), make(0, 4, 2)]], pad_id=0, device=torch.device("cpu"))

@@ -178,6 +178,31 @@ def test_compiled_layers_give_the_same_step(results, tmp_path_factory):
     assert compiled["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-6)
 
 
+@pytest.mark.parametrize("nproc,batch,budget", [(1, "grouped", 48), (2, "grouped", 48), (1, "grouped-masked", 48),
+                                                (1, "grouped", 20)])
+def test_shared_prompts_give_the_same_step(results, tmp_path, nproc, batch, budget):
+    """optim.share_prompts runs a group's prompt once and its completions as slots of one row
+    (grpo.shared_prompt): losses, KL, entropies, gradient norms and updated weights equal the
+    plain layout's (i = 2, so the second SGD iteration is after an update), on 1 and 2 ranks, with
+    eq. 8 masking (masked groups are not in any row), and with a budget that cuts groups into
+    several rows (20 tokens: prompts 3-7, completions 1-9, G = 4); the micro-batches are smaller."""
+    model_dir = results[0]
+    overrides = [o for o in OVERRIDES if not o.startswith("optim.token_budget")] + [f"optim.token_budget={budget}"]
+    overrides += ["objective.mask_zero_variance=true"] if "masked" in batch else []
+    plain = run_worker(model_dir, tmp_path / "plain.json", nproc, tmp_path, batch, overrides)
+    shared = run_worker(model_dir, tmp_path / "shared.json", nproc, tmp_path, batch,
+                        overrides + ["optim.share_prompts=true"])
+    assert shared["losses"] == pytest.approx(plain["losses"], rel=1e-5, abs=1e-7)
+    assert shared["kls"] == pytest.approx(plain["kls"], rel=1e-4, abs=1e-8)
+    assert shared["entropies"] == pytest.approx(plain["entropies"], rel=1e-5)
+    assert shared["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-4)
+    assert shared["param_abs_sum"] == pytest.approx(plain["param_abs_sum"], rel=1e-7)
+    padded = lambda r: sum(n for rank in r["shapes"] for n, _ in rank)  # noqa: E731
+    assert padded(shared) < padded(plain)
+    if budget == 20:  # some group really was cut: more rows than groups (1 rank holds all 4)
+        assert shared["rows"] > 4
+
+
 def _run_pair(model_dir, tmp_path, nproc, batch, overrides, name):
     """The same step with masked sequences skipped (the trainer) and run (GRPO_NO_SKIP=1)."""
     skipped = run_worker(model_dir, tmp_path / f"{name}_skip.json", nproc, tmp_path, batch, overrides)
