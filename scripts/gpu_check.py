@@ -345,6 +345,64 @@ def step_push(args) -> dict:
     return out
 
 
+def step_shared_prompts(args) -> dict:
+    """optim.share_prompts on the device: one GRPO group (the paper's GSM8K run: G=16, prompts ~150
+    tokens, completions up to 200) as one row (grpo.shared_prompt) against a row per sequence, on
+    Qwen2.5-0.5B's shape in bf16: the log-probs and every parameter's gradient agree, and the
+    seconds of forward + backward of each layout."""
+    import random
+
+    import torch
+
+    import kernels
+    from grpo.batching import collate, collate_groups
+    from grpo.models import load_model
+    from grpo.policy import PolicyLogprobs
+    from grpo.rollout import Sample
+    from grpo.shared_prompt import use_shared_prompt_attention
+
+    device = _device(args.smoke)
+    name, (P, C, G) = ("toy", (13, 21, 4)) if args.smoke else ("qwen2.5-0.5b", (150, 200, 16))
+    lm = load_model(Path(args.work) / "models" / name, dtype=torch.float32).to(device)
+    if device.type == "cuda":
+        lm = lm.to(torch.bfloat16)
+    policy = PolicyLogprobs(lm, 1.0, kernels.KernelConfig())
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, lm.config.vocab_size) for _ in range(P)]
+    group = []
+    for j in range(G):
+        completion = [rng.randrange(3, lm.config.vocab_size) for _ in range(C - rng.randrange(0, C // 3))]
+        group.append(Sample(group=0, prompt_ids=prompt, completion_ids=completion, logp_alpha=[0.0] * len(completion),
+                            truncated=False))
+    layouts = {"plain": (collate(group, 0, device), "sdpa"), "shared": (collate_groups([group], 0, device), None)}
+    out = {}
+    for layout, (mb, attention) in layouts.items():
+        if attention:
+            lm.set_attn_implementation(attention)
+        else:
+            use_shared_prompt_attention(lm)
+        kw = {} if mb.segments is None else {"position_ids": mb.position_ids, "segments": mb.segments}
+
+        def forward_backward():
+            lm.zero_grad(set_to_none=True)
+            logp, _ = policy(mb.input_ids, mb.completion_index, mb.completion_tokens, **kw)
+            logp.sum().backward()
+            return logp
+
+        logp = forward_backward().detach().float()
+        grads = {n: p.grad.detach().float().clone() for n, p in lm.named_parameters()}
+        out[layout] = dict(tokens=int(mb.input_ids.numel()), seconds=_timed(forward_backward, device, repeats=2 if args.smoke else 5),
+                           logp=logp, grads=grads)
+    a, b = out["plain"], out["shared"]
+    logp_diff = float((a["logp"] - b["logp"]).abs().max())
+    grad_rel = max(float((a["grads"][n] - b["grads"][n]).norm() / max(float(a["grads"][n].norm()), 1e-12)) for n in a["grads"])
+    tol = (1e-4, 1e-3) if device.type == "cpu" else (0.05, 0.05)  # fp32 / bf16 (reassociated sums)
+    return dict(model=name, prompt=P, completions=G, tokens_plain=a["tokens"], tokens_shared=b["tokens"],
+                seconds_plain=a["seconds"], seconds_shared=b["seconds"],
+                shared_over_plain=b["seconds"] / a["seconds"], logp_max_abs_diff=logp_diff,
+                grad_max_rel_diff=grad_rel, ok=logp_diff <= tol[0] and grad_rel <= tol[1])
+
+
 STEPS = [
     ("environment", step_environment, "versions, device name, memory, nominal HBM bandwidth"),
     ("models", step_models, "random Qwen2.5-0.5B and R1-Distill-1.5B shaped models saved locally"),
@@ -353,6 +411,7 @@ STEPS = [
     ("collectives", step_collectives, "all_reduce_sum/max, broadcast_json on a real 1-rank NCCL group"),
     ("fsdp", step_fsdp, "1-rank FSDP2 bf16 steps, with and without activation checkpointing, 16384 tokens"),
     ("push", step_push, "gather + cast + write + hash of the 0.5B and 1.5B weights"),
+    ("shared_prompts", step_shared_prompts, "optim.share_prompts: one GSM8K-sized group as one row vs a row each, 0.5B bf16"),
 ]
 
 

@@ -18,7 +18,7 @@ def test_dry_run_lists_every_step():
 
     for name, _, _ in gpu_check.STEPS:
         assert f"  {name} " in proc.stdout
-    assert len(gpu_check.STEPS) == 7
+    assert len(gpu_check.STEPS) == 8
 
 
 @pytest.mark.slow
@@ -29,9 +29,12 @@ def test_smoke_run_passes_every_step_and_writes_one_report(tmp_path):
     data = json.loads(report.read_text())
     assert proc.returncode == 0 and data["failed"] == [], json.dumps(data, indent=1)[-4000:]
     steps = data["steps"]
-    assert set(steps) == {"environment", "models", "parity", "bench_kernels", "collectives", "fsdp", "push"}
+    assert set(steps) == {"environment", "models", "parity", "bench_kernels", "collectives", "fsdp", "push",
+                          "shared_prompts"}
     assert steps["parity"]["result"]["worst_relative_error"] < 2e-2
     assert steps["collectives"]["result"]["ok"] and steps["collectives"]["result"]["backend"] == "gloo"
     fsdp = steps["fsdp"]["result"]
     assert fsdp["activation_checkpointing_True"]["tokens"] == fsdp["activation_checkpointing_False"]["tokens"] > 0
     assert steps["push"]["result"]["toy"]["bytes"] > 0
+    shared = steps["shared_prompts"]["result"]  # a group as one row: fewer tokens, the same numbers
+    assert shared["tokens_shared"] < shared["tokens_plain"] and shared["logp_max_abs_diff"] < 1e-4
