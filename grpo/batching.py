@@ -78,36 +78,39 @@ class MicroBatch:
     segments: Optional[torch.Tensor] = None  # [R, 3] int64 on the CPU: (P, W, n) of each group row
 
 
+def _sequence_fields(samples: list[Sample], device: torch.device) -> dict[str, torch.Tensor]:
+    """The per-sequence and per-token fields of a micro-batch, whatever its row layout: a sequence's
+    completion tokens in sample order, flat."""
+    longest_c = max([len(s.completion_ids) for s in samples] + [1])
+    mask = torch.zeros(len(samples), longest_c, dtype=torch.float32)
+    tokens, logp_alpha, rows = [], [], []
+    for b, s in enumerate(samples):
+        mask[b, :len(s.completion_ids)] = 1.0
+        tokens.extend(s.completion_ids)
+        logp_alpha.extend(s.logp_alpha)
+        rows.extend([b] * len(s.completion_ids))
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    as_float = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    return dict(completion_tokens=as_long(tokens), completion_mask=mask.to(device), logp_alpha=as_float(logp_alpha),
+                adv=as_float([s.adv for s in samples]), seq_weight=as_float([s.seq_weight for s in samples]),
+                truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool, device=device),
+                seq_of_token=as_long(rows))
+
+
 def collate(samples: list[Sample], pad_id: int, device: torch.device) -> MicroBatch:
     """Right-padded tensors of `samples`; no samples gives an empty micro-batch (one pad token, no
     completion token), which runs the model's collectives and contributes nothing."""
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples] or [1]
-    longest, longest_c = max(lengths), max([len(s.completion_ids) for s in samples] + [1])
+    longest = max(lengths)
     input_ids = torch.full((max(len(samples), 1), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(samples), longest_c, dtype=torch.float32)
-    index, tokens, logp_alpha, rows = [], [], [], []
+    index = []
     for b, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         input_ids[b, :p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
-        mask[b, :c] = 1.0
         # The hidden state at position t predicts token t+1: completion token j sits at p+j.
         index.extend(b * longest + p - 1 + j for j in range(c))
-        tokens.extend(s.completion_ids)
-        logp_alpha.extend(s.logp_alpha)
-        rows.extend([b] * c)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    as_float = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
-    return MicroBatch(
-        input_ids=input_ids.to(device),
-        completion_index=as_long(index),
-        completion_tokens=as_long(tokens),
-        completion_mask=mask.to(device),
-        logp_alpha=as_float(logp_alpha),
-        adv=as_float([s.adv for s in samples]),
-        seq_weight=as_float([s.seq_weight for s in samples]),
-        truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool, device=device),
-        seq_of_token=as_long(rows),
-    )
+    return MicroBatch(input_ids=input_ids.to(device), completion_index=torch.tensor(index, dtype=torch.long, device=device),
+                      **_sequence_fields(samples, device))
 
 
 def group_row_length(group: list[Sample]) -> int:
@@ -139,15 +142,16 @@ def group_rows(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
 def collate_groups(groups: list[list[Sample]], pad_id: int, device: torch.device) -> MicroBatch:
     """The shared-prompt layout (grpo.shared_prompt): one row per group, [prompt | slot 1 | ... |
     slot n | padding], each slot a completion right-padded to the group's longest. The per-sequence
-    and per-token fields are those collate() gives for the same samples in the same order, so the
+    and per-token fields are collate()'s (_sequence_fields) for the same samples in the same order, so the
     objective sees the same tensors; completion_index points into the rows (a slot's first token
     is predicted by the prompt's last position, which every slot shares). No groups gives an empty
     micro-batch (a one-token row)."""
-    samples = [s for g in groups for s in g]
-    flat = collate(samples, pad_id, device)
+    fields = _sequence_fields([s for g in groups for s in g], device)
     if not groups:
-        return MicroBatch(**{**flat.__dict__, "position_ids": torch.zeros_like(flat.input_ids),
-                             "segments": torch.tensor([[1, 0, 0]], dtype=torch.long)})
+        return MicroBatch(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device),
+                          completion_index=torch.zeros(0, dtype=torch.long, device=device),
+                          position_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
+                          segments=torch.tensor([[1, 0, 0]], dtype=torch.long), **fields)
     width = max(group_row_length(g) for g in groups)
     input_ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(groups), width), dtype=torch.long)
@@ -166,7 +170,5 @@ def collate_groups(groups: list[list[Sample]], pad_id: int, device: torch.device
             # completion token j is predicted by the position before it: the prompt's last for j = 0
             index.extend(r * width + (p - 1 if j == 0 else start + j - 1) for j in range(len(s.completion_ids)))
         segments.append([p, w, len(group)])
-    return MicroBatch(**{**flat.__dict__, "input_ids": input_ids.to(device),
-                         "completion_index": torch.tensor(index, dtype=torch.long, device=device),
-                         "position_ids": position_ids.to(device),
-                         "segments": torch.tensor(segments, dtype=torch.long)})
+    return MicroBatch(input_ids=input_ids.to(device), completion_index=torch.tensor(index, dtype=torch.long, device=device),
+                      position_ids=position_ids.to(device), segments=torch.tensor(segments, dtype=torch.long), **fields)

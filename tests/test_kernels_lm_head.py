@@ -5,6 +5,7 @@ import torch
 
 import kernels
 from kernels import KernelConfig
+from kernels.lm_head import CPU_BF16_MATH
 
 BACKENDS = ["torch", "triton"]
 SMALL = KernelConfig(rows_per_program=8, block_v=128)
@@ -172,7 +173,7 @@ def test_gemm_strategy_decision_table():
     assert gemm_strategy("cuda", torch.bfloat16, mixed_gemm_available=False, cpu_bf16_math=True) == "upcast"
 
 
-@pytest.mark.skipif(not __import__("kernels.lm_head").lm_head.CPU_BF16_MATH,
+@pytest.mark.skipif(not CPU_BF16_MATH,
                     reason="this CPU has no bf16 hardware (AMX / AVX512-BF16): the head takes fp32 GEMMs")
 def test_cpu_bf16_math_gemms_keep_fp32_logits_and_leave_other_gemms_ieee():
     """The bf16_math strategy's three GEMMs against fp64 references with the semantics of CUDA's
