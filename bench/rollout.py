@@ -2,17 +2,21 @@
 log-probs returned) against Hugging Face `generate` on the same model, dtype, prompts and counts.
 
     .venv/bin/python bench/rollout.py [--prompts 8] [--G 8] [--max-tokens 128] [--repeats 2] [--model tiny]
+                                      [--samplers inverse_cdf,vllm]
 
 Both sample B prompts x G completions at temperature 1.0 with the log-prob of every sampled token
 (HF: output_scores + compute_transition_scores), on the same threads (torch.get_num_threads() in
 this process; the server's OpenMP threads are bound to the same cores). Tokens counted are the
 completion tokens up to and including EOS. The server is measured after one warm-up request (its
 first request compiles); HF's first call is left out too. Reported: tokens/s of each, median over
-repeats, and the ratio server / HF (target >= 6x on this 2-core machine). Final line: JSON.
+repeats, and the ratio server / HF (target >= 6x on this 2-core machine). The server runs once per
+`--samplers` entry (server.sampler: the default inverse-CDF sampler, then vLLM's own CPU Gumbel
+sampler as the baseline of the same run). Final line: JSON.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -73,6 +77,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    ap.add_argument("--samplers", default="inverse_cdf,vllm", help="server.sampler values, one server each")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -82,6 +87,7 @@ def main() -> None:
             model_dir = make_tiny_model_dir(tmp / "tiny", arch="qwen2")
         else:
             model_dir = build_smollm2_dir(ROOT / ".cache/models/smollm2")
+        samplers = args.samplers.split(",")
         cfg = ServerConfig(max_model_len=1024)
         dtype = serving_dtype(cfg, model_dir, on_cpu=True)  # the dtype the trainer's server would use here
         tokenizer = load_tokenizer(model_dir)
@@ -95,18 +101,24 @@ def main() -> None:
         hf_runs = [hf_rate(hf, tokenizer, prompt_ids, args.G, args.max_tokens, seed=r) for r in range(args.repeats)]
         del hf
 
-        with InferenceServer.launch(model_dir, cfg, tmp / "run") as server:
-            server_rate(server, prompt_ids, args.G, args.max_tokens, seed=100)  # warm-up (compiles)
-            server_runs = [server_rate(server, prompt_ids, args.G, args.max_tokens, seed=r)
-                           for r in range(args.repeats)]
+        runs = {}
+        for sampler in samplers:
+            scfg = dataclasses.replace(cfg, sampler=sampler)
+            with InferenceServer.launch(model_dir, scfg, tmp / f"run-{sampler}") as server:
+                server_rate(server, prompt_ids, args.G, args.max_tokens, seed=100)  # warm-up (compiles)
+                runs[sampler] = [server_rate(server, prompt_ids, args.G, args.max_tokens, seed=r)
+                                 for r in range(args.repeats)]
+                print(f"server ({sampler}): {statistics.median(r[0] for r in runs[sampler]):.1f} tokens/s", flush=True)
     hf_tps = statistics.median(r[0] for r in hf_runs)
-    server_tps = statistics.median(r[0] for r in server_runs)
+    tps = {sampler: statistics.median(r[0] for r in server_runs) for sampler, server_runs in runs.items()}
+    server_tps = tps[samplers[0]]
     result = {
         "model": args.model, "dtype": str(dtype).removeprefix("torch."), "prompts": args.prompts, "G": args.G,
-        "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+        "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), "sampler": samplers[0],
         "server_tokens_per_s": round(server_tps, 1), "hf_tokens_per_s": round(hf_tps, 1),
         "server_over_hf": round(server_tps / hf_tps, 2),
-        "server_runs": [{"tokens": t, "seconds": round(s, 2)} for _, t, s in server_runs],
+        "by_sampler": {s: {"tokens_per_s": round(v, 1), "over_hf": round(v / hf_tps, 2)} for s, v in tps.items()},
+        "server_runs": {s: [{"tokens": t, "seconds": round(sec, 2)} for _, t, sec in r] for s, r in runs.items()},
         "hf_runs": [{"tokens": t, "seconds": round(s, 2)} for _, t, s in hf_runs],
         "load_avg_1min": round(os.getloadavg()[0], 2), "target_ratio": 6.0,
     }

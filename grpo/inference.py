@@ -64,6 +64,7 @@ class ServerConfig:
     kv_cache_gb: float = 1.0  # CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)
     cpu_threads: Optional[str] = None  # CPU only: cores for vLLM's threads, e.g. "0-1"; None = see docs
     seed: int = 0  # engine seed (set once; per-request seeds kill the CPU engine)
+    sampler: Literal["inverse_cdf", "vllm"] = "inverse_cdf"  # CPU engine: how tokens are drawn (grpo.vllm_sampler)
     trust_remote_code: bool = False  # let the model directory run its own Python code
     enforce_eager: bool = False  # no CUDA graphs / compilation: faster start, slower decoding
 
@@ -229,6 +230,7 @@ class InferenceServer:
                "--parent-pid", str(os.getpid()), "--upload-timeout-s", str(cfg.upload_timeout_s)]
         cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
         cmd += ["--enforce-eager"] if cfg.enforce_eager else []
+        cmd += ["--sampler", cfg.sampler]
         env = dict(os.environ)
         env.pop(TOKEN_ENV, None)
         env["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -238,7 +240,6 @@ class InferenceServer:
             env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU server never touches the trainers' GPUs
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_gb))
             env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind_list(cfg.cpu_threads)
-            cmd += ["--idle-spin-s", "0"]  # its cores are the trainer's too: no busy-wait between requests
             for key, value in malloc_env().items():  # a push re-allocates the engine's layers: keep freed memory
                 env.setdefault(key, value)
         process = ServerProcess(cmd, env, server_dir, cfg.host)

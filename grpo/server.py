@@ -5,7 +5,7 @@
 It is vLLM's own OpenAI app (so /v1/completions, /v1/models, ... behave exactly as in `vllm
 serve`, for standard clients and evaluation tools), with our routes and two middlewares added:
 
-  GET  /grpo/health          open; 200 {"ok", "weights_version"} or 503 with the reason
+  GET  /grpo/health          open; 200 {"ok", "weights_version", "sampler"} or 503 with the reason
   GET  /grpo/weights_version open; {"weights_version", "step", "dir"}
   POST /grpo/generate        B prompts (token ids) x n samples -> token ids, log-probs, finish reasons
   POST /grpo/weights         {"path", "version"}: load a directory written by write_weights
@@ -75,8 +75,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--parent-pid", type=int, help="exit when this process (the trainer) is gone")
     p.add_argument("--upload-timeout-s", type=float, default=600.0, help="an upload's body must arrive within this")
-    p.add_argument("--idle-spin-s", type=float, help="seconds the engine's processes busy-wait after each message "
-                   "(default: vLLM's own, 1 s); 0 where the server shares its cores with the trainer")
+    p.add_argument("--sampler", choices=["inverse_cdf", "vllm"], default="inverse_cdf",
+                   help="CPU engine: draw tokens by inverse CDF (grpo.vllm_sampler) or with vLLM's own Gumbel sampler")
     return p.parse_args(argv)
 
 
@@ -407,7 +407,8 @@ class PushRequest(BaseModel):
     version: int = Field(ge=0)
 
 
-def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload_timeout_s: float = 600.0):
+def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload_timeout_s: float = 600.0,
+                sampler: str = "vllm"):
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse
 
@@ -428,7 +429,7 @@ def make_router(state: WeightsState, vocab_size: int, max_model_len: int, upload
             return error(503, state.broken)
         if state.engine.errored:
             return error(503, "the vLLM engine is dead")
-        return {"ok": True, "weights_version": state.version}
+        return {"ok": True, "weights_version": state.version, "sampler": sampler}
 
     @router.get("/grpo/weights_version")
     async def weights_version():
@@ -615,8 +616,13 @@ def vllm_args(ns: argparse.Namespace, port: int) -> argparse.Namespace:
         argv += ["--trust-remote-code"]
     if ns.enforce_eager:
         argv += ["--enforce-eager"]
-    if ns.idle_spin_s is not None:  # both ends of the engine's step queues wait quietly (grpo.vllm_executor)
-        argv += ["--distributed-executor-backend", "grpo.vllm_executor.QuietExecutor"]
+    from vllm.platforms import current_platform
+
+    from grpo.vllm_executor import engine_executor
+
+    executor = engine_executor(on_cpu=current_platform.is_cpu())
+    if executor:  # CPU: the model runs in the engine-core process, no worker process (grpo.vllm_executor)
+        argv += ["--distributed-executor-backend", executor]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     validate_parsed_serve_args(args)
     return args
@@ -657,11 +663,19 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
             import torch
 
             torch.set_num_threads(1)
+        # vLLM's CPU sampler draws a Gumbel number per vocabulary entry; one uniform per row does the same
+        # job from the log-probs it computes anyway (grpo.vllm_sampler). Other backends keep their own.
+        sampler = "vllm"
+        if ns.sampler == "inverse_cdf" and current_platform.is_cpu():
+            if all(await engine.collective_rpc("grpo_use_inverse_cdf_sampler")):
+                sampler = "inverse_cdf"
+        print(f"[grpo.server] sampler: {sampler}", flush=True)
         state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last,
                              dtype=serving_dtype_name(engine.model_config.dtype),
                              threads=await EngineThreads.start(engine, on_cpu=current_platform.is_cpu()))
         vocab = engine.model_config.get_vocab_size()
-        app.include_router(make_router(state, vocab, engine.model_config.max_model_len, ns.upload_timeout_s))
+        app.include_router(make_router(state, vocab, engine.model_config.max_model_len, ns.upload_timeout_s,
+                                       sampler))
         guarded = Guarded(app, BearerAuth(GateRequests(app, state.gate), token))
         print(f"[grpo.server] serving {ns.model} on http://{ns.host}:{port} (weights root {root})", flush=True)
         shutdown = await serve_http(guarded, sock=sock, host=ns.host, port=port, log_level="warning",
@@ -689,10 +703,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     except WeightPushError as e:
         print(f"[grpo.server] {e}", file=sys.stderr)
         sys.exit(2)
-    if ns.idle_spin_s is not None:
-        from grpo.vllm_executor import SPIN_ENV
-
-        os.environ[SPIN_ENV] = str(ns.idle_spin_s)  # read in the engine-core process
     import uvloop
 
     uvloop.run(serve(ns, token))

@@ -52,9 +52,12 @@ class GRPOWorkerExtension:
         (gc.freeze) and say what a full collection cost before and after, in seconds.
 
         vLLM freezes its engine-core process after start-up but not a worker in a process of its
-        own (the CPU engine's multiprocess executor): there a full collection scanned the whole
-        start-up heap, 0.41-0.44 s each time, in the middle of a push every few pushes and of
-        generation steps. Frozen objects are still freed by reference counting."""
+        own (vLLM's multiprocess executor): there a full collection scanned the whole start-up
+        heap, 0.41-0.44 s each time, in the middle of a push every few pushes and of generation
+        steps. Our engines run the model in the engine core (grpo.vllm_executor on CPU, vLLM's own
+        choice on one GPU), where this only freezes what came after vLLM's freeze and measures; it
+        stays so that an engine with a worker process of its own is covered too. Frozen objects
+        are still freed by reference counting."""
         import gc
         import time
 
@@ -70,26 +73,10 @@ class GRPOWorkerExtension:
             after.append(time.perf_counter() - t0)
         return {"frozen": gc.get_freeze_count(), "full_collection_s": before, "full_collection_frozen_s": min(after)}
 
-    def grpo_idle_spin(self, seconds: float) -> int:
-        """Make this worker's shared-memory queue readers busy-wait `seconds` after each engine
-        message and then nap on their socket (grpo.vllm_executor.quiet_reader).
+    def grpo_use_inverse_cdf_sampler(self) -> bool:
+        """Sample with one uniform per row from the log-probs the sampler computes anyway instead of
+        the CPU engine's per-token Gumbel noise (grpo.vllm_sampler). Returns whether it was
+        installed: only in place of vLLM's CPU sampler, never on another backend."""
+        from grpo.vllm_sampler import install
 
-        vLLM's queue keeps polling (sched_yield) for 1 s after every read before it sleeps: after
-        each generate call, push or fingerprint the worker held a full core for a second, taken
-        from the trainer where the two share cores (measured: the trainer's 0.14 s push check took
-        0.8 s right after the fingerprint call). Returns the number of readers changed (0: this
-        vLLM has no such queue, nothing to do)."""
-        import gc
-
-        try:
-            from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-        except ImportError:
-            return 0
-        from grpo.vllm_executor import quiet_reader
-
-        changed = 0
-        for obj in gc.get_objects():
-            if isinstance(obj, SpinCondition) and obj.is_reader:
-                quiet_reader(obj, float(seconds))
-                changed += 1
-        return changed
+        return install(self.model_runner.sampler.topk_topp_sampler)
