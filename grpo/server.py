@@ -30,17 +30,14 @@ weights are reloaded before the lock is released, so no request ever sees reject
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import hashlib
 import json
 import math
 import os
 import secrets
 import shutil
-import signal
 import stat
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -94,27 +91,6 @@ def read_token(token_file: Optional[str]) -> str:
     if len(token) < 16:
         raise SystemExit(f"no usable token: give --token-file or ${TOKEN_ENV} (at least 16 characters)")
     return token
-
-
-def die_with_parent(parent_pid: Optional[int]) -> None:
-    """Leave no orphan: SIGTERM on parent death (Linux prctl), plus a polling watchdog."""
-    if parent_pid is None:
-        return
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    def _watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:  # re-parented: the trainer is gone
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(30)  # give the graceful shutdown its chance, then make sure
-                os._exit(1)
-            time.sleep(0.5)
-
-    if os.getppid() != parent_pid:
-        raise SystemExit(f"parent {parent_pid} already gone")
-    threading.Thread(target=_watch, name="parent-watch", daemon=True).start()
 
 
 # ----------------------------------------------------------------------------- concurrency
@@ -616,13 +592,10 @@ def vllm_args(ns: argparse.Namespace, port: int) -> argparse.Namespace:
         argv += ["--trust-remote-code"]
     if ns.enforce_eager:
         argv += ["--enforce-eager"]
-    from vllm.platforms import current_platform
+    from grpo.vllm_executor import EXECUTOR
 
-    from grpo.vllm_executor import engine_executor
-
-    executor = engine_executor(on_cpu=current_platform.is_cpu())
-    if executor:  # CPU: the model runs in the engine-core process, no worker process (grpo.vllm_executor)
-        argv += ["--distributed-executor-backend", executor]
+    # the model in the engine-core process (no worker process on CPU), which dies with this one
+    argv += ["--distributed-executor-backend", EXECUTOR]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     validate_parsed_serve_args(args)
     return args
@@ -695,8 +668,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(ns.kv_cache_gb))
     if ns.cpu_threads:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ns.cpu_threads
-    die_with_parent(ns.parent_pid)
+    from grpo.supervisor import SERVER_PID_ENV, die_with_parent
     from grpo.weight_sync import WeightPushError, check_weights_root
+
+    die_with_parent(ns.parent_pid)
+    os.environ[SERVER_PID_ENV] = str(os.getpid())  # the engine's processes die with this one (grpo.vllm_executor)
 
     try:  # before the engine starts: a root someone else could write to is refused in one line
         check_weights_root(ns.weights_root)

@@ -2,19 +2,25 @@
 
 No orphans: the child runs in its own process group (stop() signals the whole group, so vLLM's
 engine and worker processes go too), stop() is registered with atexit, and the child kills
-itself when this process dies (PR_SET_PDEATHSIG plus a parent-pid watchdog, see grpo.server).
+itself when this process dies (die_with_parent: PR_SET_PDEATHSIG plus a parent-pid watchdog), as
+does its vLLM engine-core process when the server dies (grpo.vllm_executor).
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from grpo.client import ServerUnavailableError
+
+SERVER_PID_ENV = "GRPO_SERVER_PID"  # set by grpo.server for its engine's processes: the pid they die with
 
 
 class ServerProcess:
@@ -104,3 +110,24 @@ _live: "set[ServerProcess]" = set()  # strong refs: atexit must reach every chil
 def _stop_all() -> None:
     for proc in list(_live):
         proc.stop()
+
+
+def die_with_parent(parent_pid: Optional[int]) -> None:
+    """Leave no orphan: SIGTERM on parent death (Linux prctl), plus a polling watchdog."""
+    if parent_pid is None:
+        return
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    def _watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:  # re-parented: the trainer is gone
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)  # give the graceful shutdown its chance, then make sure
+                os._exit(1)
+            time.sleep(0.5)
+
+    if os.getppid() != parent_pid:
+        raise SystemExit(f"parent {parent_pid} already gone")
+    threading.Thread(target=_watch, name="parent-watch", daemon=True).start()

@@ -1,6 +1,6 @@
-"""vLLM's CPU engine with the model in the engine-core process: no worker process, no per-step hop.
+"""vLLM's engine with the model in the engine-core process, tied to the server that started it.
 
-    python -m grpo.server ...     (on a CPU platform the server always runs its engine this way)
+    python -m grpo.server ...     (the server always runs its engine this way, on CPU and GPU)
 
 vLLM forces its multiprocess executor on CPU ("uni" is rewritten to "mp": OpenMP binding is set
 through the worker's environment). There every decode step goes engine core -> shared-memory
@@ -14,22 +14,24 @@ platform keeps it) removes the hop and the queues with it. What the multiprocess
 through the environment is done here directly: the process is restricted to the cores of
 VLLM_CPU_OMP_THREADS_BIND and torch runs one OpenMP thread per core.
 
+It also ties the engine-core process to the server that started it (on GPU too, where the model
+already ran in the engine core): vLLM's engine core outlived a server killed during the engine's
+start-up, holding its cores and memory, and only the supervisor's process-group kill caught it.
+
 Loaded by name (vLLM's --distributed-executor-backend), in the engine-core process.
 """
 import os
 from typing import Optional
 
+from vllm.platforms import current_platform
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
 from grpo.layout import parse_cpu_list
+from grpo.supervisor import SERVER_PID_ENV, die_with_parent
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-
-
-def engine_executor(on_cpu: bool) -> Optional[str]:
-    """The --distributed-executor-backend the server gives vLLM: on CPU the in-process executor;
-    elsewhere vLLM's own choice (one GPU: already in-process)."""
-    return "grpo.vllm_executor.InProcessExecutor" if on_cpu else None
+# what grpo.server passes as --distributed-executor-backend, on CPU and on its one GPU alike
+EXECUTOR = "grpo.vllm_executor.InProcessExecutor"
 
 
 def bind_cores(text: Optional[str]) -> Optional[list[int]]:
@@ -55,7 +57,9 @@ def restrict_process(cores: list[int]) -> None:
 
 class InProcessExecutor(UniProcExecutor):
     def _init_executor(self) -> None:
-        cores = bind_cores(os.environ.get(BIND_ENV))
+        if os.environ.get(SERVER_PID_ENV):  # first: the model load that follows takes the longest
+            die_with_parent(int(os.environ[SERVER_PID_ENV]))
+        cores = bind_cores(os.environ.get(BIND_ENV)) if current_platform.is_cpu() else None
         if cores:
             restrict_process(cores)
         super()._init_executor()

@@ -3,6 +3,7 @@
 Every test sets up the weights it asserts on (it pushes the next version from whatever the server
 serves), so each passes alone and in any selection: the engine is shared, its history is not.
 """
+import contextlib
 import dataclasses
 import json
 import os
@@ -348,7 +349,7 @@ def _running(pid: int) -> bool:
 def test_child_dies_with_its_parent(tmp_path):
     """A trainer killed with SIGKILL (no atexit) still takes the server down with it."""
     pid_file = tmp_path / "child.pid"
-    child = ("import os, sys, time; from grpo.server import die_with_parent; die_with_parent(os.getppid()); "
+    child = ("import os, sys, time; from grpo.supervisor import die_with_parent; die_with_parent(os.getppid()); "
              f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
     parent = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -367,6 +368,60 @@ def test_child_dies_with_its_parent(tmp_path):
     else:
         os.kill(child_pid, signal.SIGKILL)
         pytest.fail("the child outlived its parent by 10 s")
+
+
+def test_the_engine_dies_with_a_server_killed_during_start_up(tiny, tmp_path):
+    """`python -m grpo.server` killed while its engine loads (SIGKILL: no handler of its own runs)
+    must not leave vLLM's engine-core process behind holding cores and memory: it did, and only
+    the supervisor's process-group kill caught it; a server started by hand has no supervisor.
+    The engine core now dies with its server (grpo.vllm_executor)."""
+    token = tmp_path / "token"
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"t" * 32)
+    os.close(fd)
+    root = tmp_path / "weights"
+    root.mkdir(mode=0o700)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+               VLLM_CPU_KVCACHE_SPACE="1")
+    server = subprocess.Popen([sys.executable, "-m", "grpo.server", "--model", str(tiny["model_dir"]), "--weights-root",
+                               str(root), "--token-file", str(token), "--dtype", "float32", "--max-model-len", "256",
+                               "--enforce-eager"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        engine = []
+        while not engine and time.monotonic() < deadline and server.poll() is None:
+            engine = [pid for pid in _group_pids(server.pid) if _name(pid).startswith("VLLM::")]
+            time.sleep(0.2)
+        assert engine, "no engine process appeared"
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
+        deadline = time.monotonic() + 20
+        while any(_running(pid) for pid in engine) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [f"{pid} {_name(pid)}" for pid in engine if _running(pid)]
+        assert not left, f"the engine outlived its server by 20 s: {left}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(d)) == pgid:
+                    pids.append(int(d))
+    return pids
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def test_config_validation():
