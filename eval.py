@@ -13,7 +13,7 @@ Writes to out_dir (default runs/eval/<dataset>-<model>-<time>):
 
 `model` is an HF model directory (config.json + *.safetensors + tokenizer), or a training run's
 directory: then its `final/` export is used if it is one, else the newest HF directory (with a
-tokenizer) one or two levels down. The server is the training server (grpo.server), launched
+tokenizer) one or two levels down. The server is the training server (grpo.serving.server), launched
 here, or attached with server.url=http://host:port (eval never pushes weights).
 Bad input (unknown dataset, missing file, no weights, a server that does not start) ends with one
 line `eval.py: error: ...` and exit code 2.
@@ -31,8 +31,9 @@ from typing import Optional
 
 import yaml
 
-from grpo.client import InferenceServerError
-from grpo.inference import InferenceServer, ServerConfig
+from grpo.serving.client import InferenceServerError
+from grpo.cpu import CPUConfig
+from grpo.serving.inference import InferenceServer, ServerConfig
 from grpo.layout import LayoutError, plan_layout, visible_gpus
 from grpo.config import ConfigError, apply_overrides, load_config, save_config
 from grpo.data import DataConfig, DataError, load_problems
@@ -50,6 +51,7 @@ class EvalRunConfig:
     data: DataConfig = field(default_factory=DataConfig)  # dataset and prompt format (as in training)
     reward: RewardConfig = field(default_factory=RewardConfig)  # correctness checking (math-verify workers)
     server: ServerConfig = field(default_factory=ServerConfig)  # the vLLM server: launched, or attached by url
+    cpu: CPUConfig = field(default_factory=CPUConfig)  # a server launched on this machine's CPU
     eval: EvalConfig = field(default_factory=EvalConfig)  # samples per problem, temperature, pass@k list, ...
 
 
@@ -152,7 +154,7 @@ def run(cfg: EvalRunConfig) -> dict:
             raise EvalError(str(e)) from None
         try:
             server = InferenceServer.launch(model_dir, cfg.server, out_dir, gpu=layout.server_gpu,
-                                            gpu_memory_utilization=layout.server_memory_fraction)
+                                            gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
         except InferenceServerError as e:
             log = out_dir / "server" / "server.log"
             raise EvalError(f"the inference server did not start: {str(e).splitlines()[0]}"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import signal
 import sys
 import time
@@ -26,31 +25,31 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from grpo import metrics
-from grpo import objective as O
 from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_batches, group_row_length,
                            group_rows, plan_micro_batches)
 from grpo.checkpoint import Checkpointer, export_hf
 from grpo.config import ConfigError, load_config, save_config, to_dict
-from grpo.cpu_memory import keep_freed_memory
+from grpo.cpu import tune_trainer
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
 from grpo.evaluation import evaluate
-from grpo.inference import InferenceServer, check_context_fits, serving_dtype
 from grpo.metrics import MetricsLogger
 from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_model_path
 from grpo.optim import build_optimizer, build_scheduler
-from grpo.layout import (CoreSplit, LayoutError, core_split, cpu_has_native_bf16, overlap_is_free, plan_layout,
-                         training_dtype, visible_gpus)
+from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
+from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, merge_stats,
+                            token_weights)
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
                            gather_full_state_dict, init_distributed, launch_env, shard_model)
-from grpo.policy import ObjectiveInputs, PolicyLogprobs
+from grpo.policy import ObjectiveInputs, Policy
 from grpo.progress import Progress
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
+from grpo.serving.inference import InferenceServer, check_context_fits, serving_dtype
 from grpo.shared_prompt import use_shared_prompt_attention
 from grpo.train_config import TrainConfig
 
@@ -73,14 +72,16 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
     return cfg, args.resume
 
 
-def build_policy(cfg: TrainConfig, device: torch.device, trainable: bool) -> PolicyLogprobs:
+def build_policy(cfg: TrainConfig, device: torch.device, trainable: bool) -> Policy:
     """The HF model wrapped for per-token log-probs and sharded with FSDP2 (per layer + root)."""
     on_gpu = device.type == "cuda"
     lm = load_model(cfg.model.path, dtype=torch.float32, trust_remote_code=cfg.model.trust_remote_code)
     if not trainable:
         lm.requires_grad_(False)
     lm.to(device)
-    native_bf16 = on_gpu or cpu_has_native_bf16()
+    if not on_gpu:
+        from grpo.cpu.bf16 import multiplies_bf16
+    native_bf16 = on_gpu or multiplies_bf16()
     if cfg.model.dtype == "bfloat16" and not native_bf16 and trainable:
         warnings.warn("model.dtype=bfloat16 on a CPU without native bf16 (no AMX / AVX512-BF16): PyTorch emulates "
                       "it, ~30x slower than float32 here; model.dtype=auto chooses for the machine")
@@ -88,7 +89,7 @@ def build_policy(cfg: TrainConfig, device: torch.device, trainable: bool) -> Pol
     param_dtype = getattr(torch, compute) if compute else None
     if cfg.optim.share_prompts:
         use_shared_prompt_attention(lm)  # every forward then takes grpo.batching.collate_groups' rows
-    policy = PolicyLogprobs(lm, cfg.grpo.temperature, cfg.kernels)
+    policy = Policy(lm, cfg.grpo.temperature, cfg.kernels)
     return shard_model(policy, lm, param_dtype, cfg.model.activation_checkpointing and trainable, cfg.model.compile)
 
 
@@ -118,8 +119,8 @@ class Run:
     dist: DistInfo
     run_dir: Path
     tokenizer: object
-    policy: PolicyLogprobs
-    ref_policy: Optional[PolicyLogprobs]  # None when beta = 0
+    policy: Policy
+    ref_policy: Optional[Policy]  # None when beta = 0
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     checkpointer: Checkpointer
@@ -130,10 +131,10 @@ class Run:
     scorer: Optional[RewardScorer] = None
     sampler: Optional[PromptSampler] = None
     eval_problems: Optional[list] = None
-    ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
+    sample_ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
 
     def close(self) -> None:
-        self.ahead.close()
+        self.sample_ahead.close()
         self.logger.close()
         if self.server is not None:
             self.server.stop()
@@ -151,8 +152,6 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.url is not None,
                          rank=env.rank, local_rank=env.local_rank, local_world_size=env.local_world_size,
                          node_rank=env.node_rank, memory_fraction=cfg.server.gpu_memory_utilization)
-    if layout.trainer_device == "cpu":
-        keep_freed_memory()  # every micro-batch re-allocates the same big tensors: no page faults for them
     info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s)
     if cfg.grpo.batch_prompts % info.world_size:
         raise ConfigError(f"grpo.batch_prompts: {cfg.grpo.batch_prompts} prompts do not split over "
@@ -176,7 +175,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               optimizer, build_scheduler(optimizer, cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, cfg.optim),
               Checkpointer(cfg.checkpoint, run_dir), MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               StopFlag(), serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu), sampler=sampler,
-              eval_problems=eval_problems, ahead=SampleAhead(overlap_is_free(layout)))
+              eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)))
     progress = Progress()
     if resume:
         latest = run.checkpointer.latest()
@@ -193,9 +192,9 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     if info.is_main:
         run.scorer = RewardScorer(cfg.reward)
         run.server = InferenceServer.launch(cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
-                                            gpu_memory_utilization=layout.server_memory_fraction)
-        run.ahead.split = core_split(layout, info.world_size, torch.get_num_threads(), set(os.sched_getaffinity(0)),
-                                     run.server.cpu_cores)
+                                            gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
+    # the CPU fence's one hook (nothing off CPU): malloc, the LM head's GEMMs, cores shared with the engine
+    tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy], run.sample_ahead, run.server)
     if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir:
         progress = reserve_alpha(run, progress)
     return run, progress
@@ -268,10 +267,10 @@ def sample_batch(run: Run, progress: Progress, k: int, seed: int) -> Rollout:
     rollout = None
     if run.dist.is_main:
         t0 = time.time()
-        pending = run.ahead.take(seed)
+        pending = run.sample_ahead.take(seed)
         rollout = pending.result() if pending else sample_rollout(
             run.server, run.sampler.next_batch(), run.tokenizer, run.cfg, run.scorer, seed,
-            expected_version=progress.weights_version, threads=run.ahead.server_threads(run.cfg, k))
+            expected_version=progress.weights_version, engine_threads=run.sample_ahead.threads_for(run.cfg, k))
         rollout.stats["time_wait_generate"] = time.time() - t0  # what the trainer waited for samples
         rollout = rollout.to_json()
     return Rollout.from_json(broadcast_json(rollout))
@@ -284,44 +283,35 @@ class SampleAhead:
     checkpoint stores the prompt cursor from before the early draw: the batch is sampled again
     on resume, never saved."""
 
-    def __init__(self, overlap_free: bool = True, split: Optional[CoreSplit] = None):
+    def __init__(self, overlap_free: bool = True):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sample-ahead")
         self.pending = None  # (seed, Future[Rollout], the prompt sampler's state before the draw)
         self.overlap_free = overlap_free  # grpo.layout.overlap_is_free: the default when the config says null
-        self.split = split  # grpo.layout.core_split: the trainer and a CPU server share cores (None: they do not)
+        # The engine's threads for a batch, given whether it is sampled ahead (None: the engine's own
+        # choice). Set by the CPU fence where the trainer and a CPU engine share cores.
+        self.engine_threads: Callable[[bool], Optional[int]] = lambda sampled_ahead: None
 
     def wanted(self, cfg: TrainConfig, k_next: int) -> bool:
         """Sample batch k_next early? Only when no push (k mod v == 0) separates it from now."""
         on = cfg.grpo.sample_ahead if cfg.grpo.sample_ahead is not None else cfg.grpo.v > 1 and self.overlap_free
         return on and k_next < cfg.grpo.M and k_next % cfg.grpo.v != 0
 
-    def server_threads(self, cfg: TrainConfig, k: int) -> Optional[int]:
-        """The server's threads for batch k where cores are split: half when k is sampled ahead,
-        all otherwise. A function of k alone, not of timing: vLLM's CPU kernels round differently
-        with another thread count, and a resumed run samples batch k in the foreground that the
-        uninterrupted run sampled ahead, so it must get the same count."""
-        if self.split is None or not cfg.grpo.split_cores:
-            return None
-        return self.split.server_overlapped if self.wanted(cfg, k) else self.split.server_alone
+    def busy(self) -> bool:
+        """A batch is being sampled ahead right now."""
+        return self.pending is not None and not self.pending[1].done()
+
+    def threads_for(self, cfg: TrainConfig, k: int) -> Optional[int]:
+        """The engine's threads for batch k: a function of k alone (whether k is one sampled ahead),
+        never of timing, so a resumed run samples batch k as the uninterrupted run did."""
+        return self.engine_threads(self.wanted(cfg, k))
 
     def start(self, run: Run, progress: Progress, k_next: int, seed: int) -> None:
         state_before = run.sampler.state_dict()
         problems = run.sampler.next_batch()
         future = self.pool.submit(sample_rollout, run.server, problems, run.tokenizer, run.cfg, run.scorer, seed,
                                   expected_version=progress.weights_version,
-                                  threads=self.server_threads(run.cfg, k_next))
+                                  engine_threads=self.threads_for(run.cfg, k_next))
         self.pending = (seed, future, state_before)
-
-    def fit_trainer_threads(self, cfg: TrainConfig) -> None:
-        """This trainer's threads for the next piece of work: what the server leaves while it samples
-        ahead, all once it is done. The trainer's results do not depend on its thread count (fp32
-        forward and backward are bitwise equal on 1 and 2 threads), so timing may decide here."""
-        if self.split is None or not cfg.grpo.split_cores:
-            return
-        sampling = self.pending is not None and not self.pending[1].done()
-        threads = self.split.trainer_overlapped if sampling else self.split.trainer_alone
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
 
     def take(self, seed: int):
         """The pending batch if it is the one with this seed (else None)."""
@@ -346,21 +336,21 @@ def plan_batch(run: Run, rollout: Rollout) -> tuple[list[MicroBatch], tuple[int,
     87-100% of its groups masked)."""
     cfg = run.cfg
     samples = shard_samples(rollout.samples, run.dist.rank, run.dist.world_size)
-    everything = collate(samples, run.tokenizer.pad_token_id, torch.device("cpu"))
-    seqs, tokens = O.local_denominators(everything.completion_mask, everything.seq_weight, cfg.objective,
-                                        everything.truncated)
-    keep = O.contributing(everything.completion_mask, everything.seq_weight, cfg.objective, everything.truncated)
-    live = [s for s, k in zip(samples, keep.tolist()) if k]
+    local_batch = collate(samples, run.tokenizer.pad_token_id, torch.device("cpu"))
+    seqs, tokens = local_denominators(local_batch.completion_mask, local_batch.seq_weight, cfg.objective,
+                                      local_batch.truncated)
+    keep = contributing(local_batch.completion_mask, local_batch.seq_weight, cfg.objective, local_batch.truncated)
+    contributing_samples = [s for s, k in zip(samples, keep.tolist()) if k]
     pad, device = run.tokenizer.pad_token_id, run.dist.device
-    if cfg.optim.share_prompts:  # the unit is a group's row: its prompt once, its live completions as slots
-        units = group_rows(live, cfg.optim.token_budget)
-        lengths = [group_row_length(u) for u in units]
-        real_tokens = sum(len(u[0].prompt_ids) + sum(len(s.completion_ids) for s in u) for u in units)
-        build = lambda idx: collate_groups([units[j] for j in idx], pad, device)  # noqa: E731
-    else:
-        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in live]
+    if cfg.optim.share_prompts:  # a row per group: its prompt once, its contributing completions as slots
+        rows = group_rows(contributing_samples, cfg.optim.token_budget)
+        lengths = [group_row_length(r) for r in rows]
+        real_tokens = sum(len(r[0].prompt_ids) + sum(len(s.completion_ids) for s in r) for r in rows)
+        build = lambda idx: collate_groups([rows[j] for j in idx], pad, device)  # noqa: E731
+    else:  # a row per sequence
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in contributing_samples]
         real_tokens = sum(lengths)
-        build = lambda idx: collate([live[j] for j in idx], pad, device)  # noqa: E731
+        build = lambda idx: collate([contributing_samples[j] for j in idx], pad, device)  # noqa: E731
     plan = plan_micro_batches(lengths, cfg.optim.token_budget)
     # one (possibly empty) micro-batch at least: every parameter then gets a gradient (zero when all
     # is masked), so the optimizer step is the one the full forward would give
@@ -395,7 +385,6 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
     num_seqs, num_tokens = denominators
     totals, entropy_sum = None, torch.zeros((), device=run.dist.device)
     for j, mb in enumerate(micro_batches):
-        run.ahead.fit_trainer_threads(cfg)  # cores shared with a CPU server sampling ahead: take what it leaves
         # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch.
         run.policy.set_requires_gradient_sync(j == len(micro_batches) - 1)
         if first:
@@ -406,7 +395,7 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
                                                  position_ids=mb.position_ids, segments=mb.segments)
             cache.logp_ref.append(logp_ref)
         mask = mb.completion_mask.bool()
-        weights = O.token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=num_seqs,
+        weights = token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=num_seqs,
                                   num_tokens=num_tokens, max_len=cfg.grpo.max_new_tokens, truncated=mb.truncated)[mask]
         inputs = ObjectiveInputs(mb.logp_alpha, None if first else cache.logp_k[j], cache.logp_ref[j],
                                  mb.adv[mb.seq_of_token], weights, cfg.objective)
@@ -414,16 +403,15 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
                          position_ids=mb.position_ids, segments=mb.segments)
         # FSDP2 averages gradients over ranks; the weights already hold global denominators, so
         # scale back up to get the gradient of the whole batch's loss.
-        run.ahead.fit_trainer_threads(cfg)  # the backward is ~2/3 of the work: take the cores freed meanwhile
         (out.loss * run.dist.world_size).backward()
         if first:
             cache.logp_k.append(out.logp)
             # over active tokens, like every statistic of the objective (it is divided by their count)
             entropy_sum = entropy_sum + (out.entropy * (weights != 0)).sum()
-        totals = out.stats if totals is None else O.merge_stats(totals, out.stats)
+        totals = out.stats if totals is None else merge_stats(totals, out.stats)
     if first:
         cache.entropy_sum = all_reduce_sum({"entropy": entropy_sum})["entropy"]
-    return O.all_reduce_stats(totals), cache.entropy_sum
+    return all_reduce_stats(totals), cache.entropy_sum
 
 
 def optimizer_step(run: Run) -> tuple[float, bool]:
@@ -445,7 +433,7 @@ def optimizer_step(run: Run) -> tuple[float, bool]:
 
 
 @torch.no_grad()
-def refresh_reference(ref_policy: PolicyLogprobs, policy: PolicyLogprobs) -> None:
+def refresh_reference(ref_policy: Policy, policy: Policy) -> None:
     """pi_ref <- pi_theta (end of a stage). Same sharding on both, so a local copy of each shard."""
     # FSDP2 leaves the root's parameters unsharded after a forward it did not backprop through
     # (the no-grad reference pass); reshard so both sides are DTensor shards.
@@ -471,7 +459,7 @@ def evaluate_policy(run: Run, progress: Progress) -> None:
 
 def save_checkpoint(run: Run, progress: Progress) -> None:
     """Collective: model, optimizer, pi_ref, RNG, progress, the data cursor and the LR schedule."""
-    sampler_state = broadcast_json(run.ahead.sampler_state(run.sampler) if run.dist.is_main else None)
+    sampler_state = broadcast_json(run.sample_ahead.sampler_state(run.sampler) if run.dist.is_main else None)
     state = {"progress": progress.to_json(), "sampler": sampler_state, "scheduler": run.scheduler.state_dict()}
     # Inside a v-window the sampler alpha is not pi_theta: keep its exact weights with the
     # checkpoint (the server's copy dies with the server) so a resume samples from alpha again.
@@ -515,8 +503,8 @@ def main(argv=None) -> int:
 
                 # B prompts x G completions from alpha; rewards, advantages (eq. 2), mask (eq. 8)
                 rollout = sample_batch(run, progress, k, batch_seed(cfg, stage, k))
-                if run.dist.is_main and run.ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
-                    run.ahead.start(run, progress, k + 1, batch_seed(cfg, stage, k + 1))
+                if run.dist.is_main and run.sample_ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
+                    run.sample_ahead.start(run, progress, k + 1, batch_seed(cfg, stage, k + 1))
                 micro_batches, denominators, shape = plan_batch(run, rollout)
 
                 # i SGD iterations on this batch (pi_k = the policy before the first of them)
@@ -526,7 +514,7 @@ def main(argv=None) -> int:
                     stats, entropy_sum = sgd_iteration(run, micro_batches, cache, denominators)
                     grad_norm, finite = optimizer_step(run)
                     progress = progress.after_step(finite)
-                    train_stats = O.finalize_stats(stats)
+                    train_stats = finalize_stats(stats)
                     row = metrics.train_row(
                         progress, stage, k, it, rollout.stats, train_stats,
                         entropy=entropy_sum / max(train_stats["num_tokens"], 1.0), grad_norm=grad_norm,

@@ -55,10 +55,12 @@ def forward(args, hidden, weight, targets, upstream):
 
     import kernels
 
-    if args.variant.endswith("_ieee"):  # the head's GEMMs without oneDNN's bf16 math mode
-        import kernels.lm_head
+    if args.device == "cpu":  # as the trainer on this CPU runs it: oneDNN's bf16 math mode where honoured
+        from grpo.cpu.bf16 import install_lm_head_bf16_math
 
-        kernels.lm_head.CPU_BF16_MATH = False
+        install_lm_head_bf16_math()
+    if args.variant.endswith("_ieee"):  # the head's GEMMs without oneDNN's bf16 math mode
+        kernels.lm_head.set_cpu_bf16_gemms(None)
         args = argparse.Namespace(**{**vars(args), "variant": args.variant.removesuffix("_ieee")})
     if args.variant == "naive":
         log_probs = torch.log_softmax((hidden @ weight.t()).float() / args.temperature, dim=-1)
@@ -267,9 +269,9 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     plan = [("a_naive", "naive", args.chunk_tokens), ("b_logits", "logits", args.chunk_tokens),
             ("c_fused", "fused", args.chunk_tokens), ("d_fused_objective", "fused_objective", args.chunk_tokens)] + [(f"c_fused_chunk{c}", "fused", c) for c in args.chunk_sweep]
-    from kernels.lm_head import gemm_strategy
+    from grpo.cpu.bf16 import onednn_bf16_math_honoured
 
-    if args.device == "cpu" and gemm_strategy("cpu", getattr(__import__("torch"), args.dtype)) == "bf16_math":
+    if args.device == "cpu" and args.dtype == "bfloat16" and onednn_bf16_math_honoured():
         plan += [("c_fused_ieee", "fused_ieee", args.chunk_tokens),
                  ("d_fused_objective_ieee", "fused_objective_ieee", args.chunk_tokens)]
     results = {}

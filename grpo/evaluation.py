@@ -191,7 +191,7 @@ def evaluate(server, tokenizer, problems: Sequence, data_cfg, eval_cfg: EvalConf
              progress: bool = False) -> tuple[dict, list[dict]]:
     """Sample eval_cfg.k completions for each selected problem from the server, score, summarise.
 
-    server: grpo.inference.InferenceServer (the trainer's, so eval sees the weights just pushed; any
+    server: grpo.serving.inference.InferenceServer (the trainer's, so eval sees the weights just pushed; any
     object with its `generate`);
     tokenizer: the policy's; problems: grpo.data.Problem list (a held-out set); data_cfg: the
     DataConfig whose system prompt and instruction build the prompts (as in training);

@@ -103,83 +103,16 @@ def plan_layout(visible: list[str], *, server_device: str, attached: bool, rank:
 
 def overlap_is_free(layout: DeviceLayout) -> bool:
     """Whether sampling and training run on separate hardware, so generating the next batch while
-    the trainer trains (grpo.sample_ahead) costs the trainer nothing. Not when they share a GPU, nor
-    when both run on this machine's CPU cores: on 2 cores (SmolLM2, 16 completions, fp32) a v=10
-    iteration with sample-ahead took 23-28 s, training slowed from 15 s to 23-28 s and generation
-    from 8 s to 17-23 s, against 8 + 15 = 23 s in turn: the overlap saved nothing. (Turned on
-    there, the two split the cores instead: core_split; 0.91x, and not bitwise the run without.)"""
+    the trainer trains (grpo.sample_ahead) costs the trainer nothing: not when they share a GPU, nor
+    when both run on this machine's CPU cores (there, turned on, they split the cores instead:
+    grpo/cpu/cores.py)."""
     return not layout.shares_gpu and not (layout.server_on_cpu and layout.trainer_device == "cpu")
-
-
-@dataclass(frozen=True)
-class CoreSplit:
-    """OpenMP threads of the trainer (this process) and of a CPU server on the same cores, per
-    phase: alone (the other side waits) or overlapped (the server samples ahead while this trains)."""
-    trainer_alone: int
-    trainer_overlapped: int
-    server_alone: int
-    server_overlapped: int
-
-
-def core_split(layout: DeviceLayout, world_size: int, trainer_threads: int, trainer_cores: set[int],
-               server_cores: Optional[list[int]]) -> Optional[CoreSplit]:
-    """How the trainer and a launched CPU server share cores they both use, or None when they do
-    not share any: a server on a GPU or attached elsewhere (server_cores None), disjoint cores
-    (>= 4 cores: the server is bound to the upper half), or several trainer ranks (each rank then
-    holds its own threads; there is no single trainer to hand cores back and forth).
-
-    Alone, each side uses all it has; overlapped, the server gets half of its cores (its first
-    threads stay on their bound cores) and the trainer the rest. On 2 cores (SmolLM2, v=10,
-    bench/step.py) a sample-ahead iteration took 0.91x the in-turn one with the split and 1.03x
-    with both at full width (an OpenMP team that loses a core to the other side waits at every
-    barrier)."""
-    if not (layout.server_on_cpu and layout.trainer_device == "cpu") or server_cores is None or world_size != 1:
-        return None
-    if not set(server_cores) & set(trainer_cores) or min(len(server_cores), trainer_threads) < 2:
-        return None
-    server_overlapped = len(server_cores) // 2
-    return CoreSplit(trainer_alone=trainer_threads, trainer_overlapped=max(1, trainer_threads - server_overlapped),
-                     server_alone=len(server_cores), server_overlapped=server_overlapped)
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """'0-2,5' -> [0, 1, 2, 5] (the Linux CPU list format VLLM_CPU_OMP_THREADS_BIND takes)."""
-    cores: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cores.extend(range(int(lo), int(hi or lo) + 1))
-    return cores
-
-
-# ---------------------------------------------------------------------------------------------
-# Compute dtype: bf16 only where the hardware multiplies it
-
-# /proc/cpuinfo flags of x86 CPUs that multiply bf16 natively (Intel AMX, AVX512-BF16 on Intel
-# and AMD Zen 4+). Without them PyTorch emulates bf16 matmuls: on a 2-core AVX2 AMD EPYC,
-# SmolLM2-135M forward+backward of 8 x 128 tokens took 235 s in bf16 against 8 s in fp32.
-NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
-
-
-def cpu_has_native_bf16(cpuinfo: Optional[str] = None) -> bool:
-    """Whether this CPU multiplies bf16 in hardware (x86 flags above; aarch64 "bf16"). cpuinfo: the
-    text of /proc/cpuinfo (read when None; a machine without it counts as no)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86 / aarch64
-            flags.update(value.split())
-    return bool(flags & (NATIVE_BF16_FLAGS | {"bf16"}))
 
 
 def training_dtype(requested: str, on_gpu: bool, native_bf16: bool) -> Optional[str]:
     """model.dtype -> the FSDP2 compute (param) dtype, None meaning fp32 throughout. auto: bf16 mixed
-    precision on a GPU, and on a CPU only where bf16 is native (else fp32 is ~30x faster)."""
+    precision on a GPU, and on a CPU only where it multiplies bf16 in hardware (native_bf16:
+    grpo.cpu.bf16.multiplies_bf16; elsewhere bf16 is emulated, many times slower than fp32)."""
     if requested == "auto":
         return "bfloat16" if on_gpu or native_bf16 else None
     return None if requested == "float32" else requested

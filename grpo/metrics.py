@@ -61,7 +61,7 @@ KEY_GROUPS: dict[str, str] = {
     "tokens_per_s": "time",
     "train_tokens": "time",
     "train_padded_tokens": "time",
-    "server_threads": "time",
+    "server_*": "time",  # what the inference engine reports of a batch
     "sync_bytes": "time",
     # bound/: the off-policy quantities of the paper's improvement bound (TV and KL of pi_k vs
     # alpha, the reward bound M)
@@ -172,9 +172,6 @@ class _NullBar:
         pass
 
     def set_postfix(self, *args, **kwargs) -> None:
-        pass
-
-    def set_description(self, *args, **kwargs) -> None:
         pass
 
     def close(self) -> None:
@@ -340,7 +337,7 @@ class MetricsLogger:
 # logged as they are named there.
 ROLLOUT_KEYS = ("reward_mean", "reward_std", "group_std_mean", "pass_rate", "masked_frac", "zero_var_frac",
                 "red_drop_frac", "seq_weight_mean", "completion_len_mean", "truncated_frac", "reward_timeouts",
-                "bound_M", "bound_M_nonzero", "time_generate", "time_reward", "time_wait_generate", "server_threads")
+                "bound_M", "bound_M_nonzero", "time_generate", "time_reward", "time_wait_generate")
 # Logged name <- grpo.objective.finalize_stats name. kl is KL(pi || pi_ref) of eq. 7; tv_pik_alpha and
 # kl_pik_alpha are the drift between the trainer's pi_k and the sampler alpha (Theorem 1's terms).
 TRAIN_KEYS = {
@@ -367,6 +364,7 @@ def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_
         "step": progress.step, "stage": stage, "iteration": iteration, "sgd_iteration": sgd_iteration,
         "weights_version": progress.weights_version,
         **{key: rollout_stats[key] for key in ROLLOUT_KEYS},
+        **rollout_stats.get("engine", {}),  # as the engine reports them (a CPU engine: its threads; a GPU: none)
         **{key: train_stats[name] for key, name in TRAIN_KEYS.items()},
         "entropy": entropy, "grad_norm": grad_norm, "lr": lr, "nan_skips": progress.nan_skips,
         "time_train": time_train, "time_sync": time_sync, "sync_bytes": sync_bytes,

@@ -9,7 +9,7 @@ Two uses of the same forward:
 - `policy(input_ids, index, tokens)` -> (logp, entropy): pi_ref's log-probs (no grad);
 - `policy(input_ids, index, tokens, objective=ObjectiveInputs(...))` -> PolicyOutput with the loss
   of eq. 6/7 on those tokens, through `kernels.lm_head_objective`: the LM head and the objective in
-  one chunked pass that computes the gradients during the forward (3 matmuls, no recomputation),
+  one chunked pass that computes the gradients during the forward (no recomputation),
   on CUDA with the fused Triton loss kernel, on CPU with grpo.objective's torch maths.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 import kernels
-from grpo import objective as O
+from grpo.objective import ObjectiveConfig, objective_fn_for
 
 
 @dataclass
@@ -32,7 +32,7 @@ class ObjectiveInputs:
     logp_ref: Optional[torch.Tensor]  # pi_ref's log-probs; None when beta = 0
     adv: torch.Tensor  # eq. 2 advantage of the token's sequence
     weights: torch.Tensor  # aggregation weights (grpo.objective.token_weights); 0 = inactive
-    cfg: O.ObjectiveConfig
+    cfg: ObjectiveConfig
 
 
 @dataclass
@@ -43,7 +43,10 @@ class PolicyOutput:
     entropy: Optional[torch.Tensor]  # [N] fp32, detached, when asked for
 
 
-class PolicyLogprobs(torch.nn.Module):
+class Policy(torch.nn.Module):
+    """The HF model as the trainer uses it: per-token log-probs of completion tokens, or the loss of
+    the objective on them (see the module docstring)."""
+
     def __init__(self, lm: torch.nn.Module, temperature: float, kernel_cfg: kernels.KernelConfig):
         super().__init__()
         self.lm = lm
@@ -71,6 +74,6 @@ class PolicyLogprobs(torch.nn.Module):
         o = objective
         loss, stats, logp, entropy = kernels.lm_head_objective(
             hidden, weight, completion_tokens, o.logp_alpha, o.logp_k, o.logp_ref, o.adv, o.weights, o.cfg,
-            objective_fn=O.objective_fn_for(hidden.device, self.kernel_cfg), temperature=self.temperature,
+            objective_fn=objective_fn_for(hidden.device, self.kernel_cfg), temperature=self.temperature,
             with_entropy=with_entropy, config=self.kernel_cfg)
         return PolicyOutput(loss, stats, logp, entropy)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from grpo import objective as O
+from grpo.objective import group_advantages
 from grpo.data import build_prompt, encode_prompt
 
 
@@ -52,18 +52,20 @@ class Rollout:
 
 
 def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected_version: int,
-                   threads: Optional[int] = None) -> Rollout:
+                   engine_threads: Optional[int] = None) -> Rollout:
     """G completions per prompt from the server's policy alpha (with alpha's log-probs), rewards,
     advantages (eq. 2) and weights (eq. 8 mask, RED). cfg is the TrainConfig (grpo, data,
-    objective sections); server is a grpo.inference.InferenceServer that must be serving weights
+    objective sections); server is a grpo.serving.inference.InferenceServer that must be serving weights
     version `expected_version` (alpha): samples from any other policy would make every logged
-    off-policy quantity wrong, so a mismatch stops the run. threads: a CPU server's thread count
-    for this batch (None: all its cores), part of what the samples are a function of."""
+    off-policy quantity wrong, so a mismatch stops the run. engine_threads: a CPU engine's thread
+    count for this batch (None: all its cores; grpo/cpu/cores.py), part of what the samples are a
+    function of. stats["engine"] holds what the engine reports of the batch (nothing on a GPU)."""
     G = cfg.grpo.G
     prompt_ids = [encode_prompt(tokenizer, build_prompt(tokenizer, p, cfg.data)) for p in problems]
     t0 = time.time()
     result = server.generate(prompt_ids, n=G, max_tokens=cfg.grpo.max_new_tokens,
-                             temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, seed=seed, threads=threads)
+                             temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, seed=seed,
+                             engine_threads=engine_threads)
     t_generate = time.time() - t0
     if result.weights_version != expected_version:
         raise RuntimeError(f"the server sampled with weights version {result.weights_version}, the trainer "
@@ -74,7 +76,7 @@ def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected
     rewards, reward_info = scorer.score([c.text for c in completions], golds)
     t_reward = time.time() - t0
     correct = reward_info.get("correct", rewards)
-    adv, seq_weight, adv_stats = O.group_advantages(torch.tensor(rewards, dtype=torch.float64), G, cfg.objective,
+    adv, seq_weight, adv_stats = group_advantages(torch.tensor(rewards, dtype=torch.float64), G, cfg.objective,
                                                     generator=torch.Generator().manual_seed(seed))
     samples = [
         Sample(group=j // G, prompt_ids=prompt_ids[j // G], completion_ids=list(c.token_ids),
@@ -91,7 +93,7 @@ def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected
         "reward_timeouts": float(reward_info.get("timeouts", 0)),
         "time_generate": t_generate,
         "time_reward": t_reward,
-        "server_threads": float(result.threads),  # 0: not reported (a GPU engine, or never changed)
+        "engine": {key: float(value) for key, value in result.engine.items()},
         "prompt_tokens": float(sum(len(p) for p in prompt_ids) * G),
         "completion_tokens": float(sum(lengths)),
     }

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from grpo.checkpoint import CheckpointConfig
+from grpo.cpu import CPUConfig
 from grpo.data import DataConfig
 from grpo.evaluation import EvalConfig
-from grpo.inference import ServerConfig
 from grpo.metrics import LogConfig
 from grpo.objective import ObjectiveConfig
 from grpo.parallel import ParallelConfig
 from grpo.rewards import RewardConfig
+from grpo.serving.inference import ServerConfig
 from kernels import KernelConfig
 
 
@@ -24,7 +25,7 @@ class ModelConfig:
     path: str = ".cache/models/smollm2"  # HF model directory (or hub name where the hub is reachable)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # training params: auto = bf16 mixed precision on GPU and on CPUs that multiply bf16 (AMX, AVX512-BF16), else fp32
     activation_checkpointing: bool = False  # recompute each decoder layer in backward (memory for time)
-    compile: bool = False  # torch.compile each decoder layer (dynamic shapes): fuses the norms, rotary, SiLU*up and casts; ~10% per micro-batch on CPU, first step pays ~15-30 s
+    compile: bool = False  # torch.compile each decoder layer (dynamic shapes): fuses the norms, rotary, SiLU*up and casts; the first step pays the compilation
     trust_remote_code: bool = False  # allow model code from the model directory (off: safety)
 
 
@@ -43,11 +44,7 @@ class GRPOConfig:
     top_p: float = 1.0  # nucleus sampling (1.0 keeps alpha's log-probs exact)
     sample_ahead: Optional[bool] = None  # generate batch k+1 while training on k when no push separates them;
     #                                      null: on for v > 1 where sampling has its own hardware (grpo.layout.overlap_is_free);
-    #                                      batches are the same either way (with split_cores off, or unshared cores)
-    split_cores: bool = True  # where the trainer and a CPU server share cores (grpo.layout.core_split): while the
-    #                           server samples ahead each side gets half, alone each gets all. Batches sampled ahead
-    #                           then run on fewer server threads, which vLLM's CPU kernels round differently: the run
-    #                           is reproducible and resumes exactly, but is not bitwise the run without sample-ahead
+    #                                      batches are the same either way (on a CPU: see cpu.split_cores)
 
     def __post_init__(self):
         for name in ("S", "M", "v", "i", "batch_prompts", "max_new_tokens"):
@@ -98,6 +95,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    cpu: CPUConfig = field(default_factory=CPUConfig)  # only where the trainer or the server runs on a CPU
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)

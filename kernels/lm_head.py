@@ -11,25 +11,24 @@ Why recompute instead of computing the gradients during the forward (as fused li
 does): our output is a per-token logp whose upstream gradient g_i is not known at forward time, and
 grad_weight = sum_i g_i (onehot_i - p_i)^T hidden_i / T mixes all tokens' g_i with [V]-sized rows,
 so it cannot be prepared without keeping [N, V] of state. Recomputing costs one matmul of the three
-of a plain forward+backward (~1.33x matmul time) and no memory. LMHeadObjective, whose loss IS a
+of a plain forward+backward (4 GEMMs instead of 3) and no memory. LMHeadObjective, whose loss IS a
 function of logp alone, computes the gradients in the forward instead (3 matmuls).
 
 Numerics: logits are always fp32, whatever the weights' dtype. bf16 logits have a rounding step of
 0.125 at |z| ~ 16-32; divided by the paper's temperature 0.1 that is up to ~0.6 nat of log-prob
 error, which the ratio pi/alpha, the IS weight and the TV/KL diagnostics would all carry. How fp32
 logits come out of bf16 operands is `gemm_strategy`'s decision (per device and dtype): cuBLAS's
-bf16-in / fp32-out GEMMs on CUDA (fp32 accumulation at bf16 tensor-core speed); on a CPU that
-multiplies bf16 in hardware (AMX / AVX512-BF16), oneDNN's bf16 math mode for fp32 GEMMs, which
-gives the same: fp32 operands that hold bf16 values are multiplied exactly, accumulated and
-returned in fp32 (SmolLM2's head, 256 tokens: 2.3x faster logits than an IEEE fp32 GEMM, same
-error against fp64); an fp32 GEMM of upcast operands elsewhere. The two gradient GEMMs take the
-bf16-rounded dlogits on both devices, as any bf16 backward does. No host synchronisation inside
+bf16-in / fp32-out GEMMs on CUDA (fp32 accumulation at bf16 tensor-core speed); on a CPU, fp32
+GEMMs of the bf16 values, in a bf16 math mode that multiplies them exactly and accumulates in fp32
+where the CPU's platform code registered one (grpo/cpu/bf16.py: oneDNN's mode, where this CPU
+honours it), else IEEE fp32 GEMMs of upcast operands. The two gradient GEMMs take the bf16-rounded
+dlogits on CUDA and in the bf16 math mode, as any bf16 backward does. No host synchronisation inside
 the chunk loops.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -38,30 +37,29 @@ from .logprobs import LogprobImpl, merge_grads
 MIXED_GEMM = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
-def _cpu_bf16_math_available() -> bool:
-    """oneDNN's bf16 math mode for fp32 GEMMs exists in this torch and the CPU multiplies bf16 in
-    hardware (without it oneDNN would emulate bf16, slower than the fp32 GEMM it replaces)."""
-    matmul = getattr(torch.backends.mkldnn, "matmul", None)
-    if matmul is None or not hasattr(matmul, "fp32_precision") or not torch.backends.mkldnn.is_available():
-        return False
-    hardware = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    return any(check is not None and check() for check in hardware)
+# A CPU whose fp32 GEMMs can run as bf16 x bf16 -> fp32 (the CPU's twin of CUDA's out_dtype GEMMs)
+# registers a context manager for that mode here, from outside (grpo/cpu/bf16.py decides by what the
+# CPU does); None: the head's bf16 GEMMs on a CPU are fp32 GEMMs of upcast operands.
+CPU_BF16_GEMMS: Optional[Callable[[], ContextManager]] = None
 
 
-CPU_BF16_MATH = _cpu_bf16_math_available()
+def set_cpu_bf16_gemms(context: Optional[Callable[[], ContextManager]]) -> None:
+    """Register (or with None remove) the CPU's bf16-math context for the head's GEMMs."""
+    global CPU_BF16_GEMMS
+    CPU_BF16_GEMMS = context
 
 
 def gemm_strategy(device_type: str, dtype: torch.dtype, mixed_gemm_available: bool = MIXED_GEMM,
                   cpu_bf16_math: Optional[bool] = None) -> str:
     """How the LM head's GEMMs give fp32 logits (and fp32 weight gradients) from `dtype` operands:
     "native" (fp32 operands), "out_dtype" (bf16/fp16 operands, fp32 output and accumulation:
-    torch.mm / torch.addmm with out_dtype, CUDA), "bf16_math" (bf16 operands on a CPU that
-    multiplies bf16: fp32 GEMMs in oneDNN's bf16 math mode, exact products of the bf16 values with
-    fp32 accumulation and output, the CPU's equivalent of out_dtype), or "upcast" (an IEEE fp32
-    GEMM of upcast operands: any other CPU, fp16 on CPU, or a CUDA torch without out_dtype).
-    cpu_bf16_math: None reads CPU_BF16_MATH (bench/kernels.py clears it to measure "upcast")."""
+    torch.mm / torch.addmm with out_dtype, CUDA), "bf16_math" (bf16 operands on a CPU whose fp32
+    GEMMs run in a registered bf16 math mode: exact products of the bf16 values with fp32
+    accumulation and output, the CPU's equivalent of out_dtype), or "upcast" (an IEEE fp32 GEMM of
+    upcast operands: any other CPU, fp16 on CPU, or a CUDA torch without out_dtype).
+    cpu_bf16_math: None reads whether a mode is registered (set_cpu_bf16_gemms)."""
     if cpu_bf16_math is None:
-        cpu_bf16_math = CPU_BF16_MATH
+        cpu_bf16_math = CPU_BF16_GEMMS is not None
     if dtype == torch.float32 or dtype == torch.float64:
         return "native"
     if device_type == "cuda" and mixed_gemm_available and dtype in (torch.bfloat16, torch.float16):
@@ -69,21 +67,6 @@ def gemm_strategy(device_type: str, dtype: torch.dtype, mixed_gemm_available: bo
     if device_type == "cpu" and cpu_bf16_math and dtype == torch.bfloat16:
         return "bf16_math"
     return "upcast"
-
-
-@contextlib.contextmanager
-def _onednn_bf16_math():
-    """fp32 GEMMs inside run as bf16 x bf16 -> fp32 (oneDNN rounds their operands to bf16: exact for
-    operands that hold bf16 values, the bf16 rounding of dlogits otherwise). The flag is process
-    global, so it is set around the head's GEMMs only; no other thread of the trainer runs a GEMM
-    meanwhile (the sample-ahead thread waits on the server and the reward workers)."""
-    matmul = torch.backends.mkldnn.matmul
-    previous = matmul.fp32_precision
-    matmul.fp32_precision = "bf16"
-    try:
-        yield
-    finally:
-        matmul.fp32_precision = previous
 
 
 class _HeadGemms:
@@ -94,7 +77,7 @@ class _HeadGemms:
         self.strategy = gemm_strategy(weight.device.type, weight.dtype)
         # upcast, bf16_math: one fp32 copy of the weight per call, not one per chunk
         self.weight32 = weight.float() if self.strategy in ("upcast", "bf16_math") else weight
-        self.math = _onednn_bf16_math if self.strategy == "bf16_math" else contextlib.nullcontext
+        self.math = CPU_BF16_GEMMS if self.strategy == "bf16_math" else contextlib.nullcontext
 
     def logits(self, hidden_c: torch.Tensor) -> torch.Tensor:
         """[c, V] fp32 = hidden_c @ weight^T."""

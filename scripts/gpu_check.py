@@ -3,7 +3,7 @@
 For a developer with one H100/H200 for 30 minutes, on that machine's image as it is: torch 2.11
 (CUDA 13), Triton 3.6, transformers, safetensors, pyyaml; no vLLM, no math-verify, no W&B, no
 package registry. So this imports only grpo modules that need nothing else (parallel, models,
-policy, objective, weight_sync) and kernels/; the server is not part of it.
+policy, objective, weight writer) and kernels/; the server is not part of it.
 
 Each step runs in its own process (a CUDA fault in one cannot poison the next) and reports a dict;
 the report holds every step's dict, its status (ok / FAIL / error) and its seconds.
@@ -126,7 +126,7 @@ def step_parity(args) -> dict:
     import torch
 
     import kernels
-    from grpo import objective as O
+    from grpo import objective
 
     s, device, out, worst = _sizes(args.smoke), _device(args.smoke), {}, 0.0
     triton_cfg, torch_cfg = kernels.KernelConfig(backend="triton"), kernels.KernelConfig(backend="torch")
@@ -151,11 +151,11 @@ def step_parity(args) -> dict:
                     (lp2 * upstream + ratio + ent2).sum().backward()
                     # the trainer's path: LM head + objective fused, gradients during the forward
                     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-                    ocfg = O.ObjectiveConfig(beta=0.1, ratio_anchor="exact")
+                    ocfg = objective.ObjectiveConfig(beta=0.1, ratio_anchor="exact")
                     loss, _, lp3, _ = kernels.lm_head_objective(
                         h2, w2, targets, logp.detach() - 0.05, logp.detach() + 0.01, logp.detach() - 0.02,
                         upstream, torch.full_like(upstream, 1.0 / n), ocfg,
-                        objective_fn=O.objective_fn_for(device, cfg), temperature=T, config=cfg)
+                        objective_fn=objective.objective_fn_for(device, cfg), temperature=T, config=cfg)
                     loss.backward()
                     res[label] = (logp, ent, h.grad.float(), w.grad.float(), lp2, ratio, ent2, logits.grad,
                                   loss, lp3, h2.grad.float(), w2.grad.float())
@@ -172,12 +172,12 @@ def step_parity(args) -> dict:
             ref = logp + 0.05 * torch.randn(n, device=device, generator=g)
             adv = torch.randn(n, device=device, generator=g)
             weights = torch.rand(n, device=device, generator=g) / n
-            ocfg = O.ObjectiveConfig(beta=0.1)
+            ocfg = objective.ObjectiveConfig(beta=0.1)
             lp_a = logp.clone().requires_grad_()
             loss_a, stats_a = kernels.grpo_objective(lp_a, alpha, None, ref, adv, weights, ocfg, config=triton_cfg)
             loss_a.backward()
             lp_b = logp.clone().requires_grad_()
-            loss_b, stats_b = O.objective(lp_b, alpha, None, ref, adv, weights, ocfg)
+            loss_b, stats_b = objective.objective(lp_b, alpha, None, ref, adv, weights, ocfg)
             loss_b.backward()
             errs["loss_value"] = abs(float(loss_a) - float(loss_b)) / max(abs(float(loss_b)), 1e-6)
             errs["loss_grad"] = float((lp_a.grad - lp_b.grad).abs().max() / lp_b.grad.abs().max().clamp_min(1e-12))
@@ -254,10 +254,10 @@ def step_fsdp(args) -> dict:
     import torch
 
     import kernels
-    from grpo import objective as O
+    from grpo import objective
     from grpo.models import load_model
     from grpo.parallel import close_distributed, init_distributed, shard_model
-    from grpo.policy import ObjectiveInputs, PolicyLogprobs
+    from grpo.policy import ObjectiveInputs, Policy
 
     s, device = _sizes(args.smoke), _device(args.smoke)
     init_distributed(device, timeout_s=600)
@@ -266,7 +266,7 @@ def step_fsdp(args) -> dict:
     try:
         for ac in (False, True):
             lm = load_model(model_dir, dtype=torch.float32).to(device)
-            policy = shard_model(PolicyLogprobs(lm, 0.7, kernels.KernelConfig()), lm,
+            policy = shard_model(Policy(lm, 0.7, kernels.KernelConfig()), lm,
                                  torch.bfloat16 if device.type == "cuda" else None, ac)
             opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
             b, L = s["step_tokens"] // s["step_seq"], s["step_seq"]
@@ -278,7 +278,7 @@ def step_fsdp(args) -> dict:
             n = index.numel()
             inputs = ObjectiveInputs(-torch.rand(n, device=device, generator=g) * 3, None, None,
                                      torch.randn(n, device=device, generator=g), torch.full((n,), 1.0 / n, device=device),
-                                     O.ObjectiveConfig(beta=0.0))
+                                     objective.ObjectiveConfig(beta=0.0))
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             times, losses = [], []
@@ -308,16 +308,16 @@ def step_fsdp(args) -> dict:
 
 def step_push(args) -> dict:
     """The weight push on the trainer side: gather the FSDP2 shards cast to bf16 on the device, then
-    write safetensors + manifest (sha256) under /dev/shm, as grpo.inference does."""
+    write safetensors + manifest (sha256) under /dev/shm, as grpo.serving.inference does."""
     import tempfile
 
     import torch
 
     from grpo.models import load_model
     from grpo.parallel import close_distributed, gather_full_state_dict, init_distributed, shard_model
-    from grpo.policy import PolicyLogprobs
+    from grpo.policy import Policy
     import kernels
-    from grpo.weight_sync import write_weights
+    from grpo.serving.weights_writer import write_weights
 
     device = _device(args.smoke)
     init_distributed(device, timeout_s=600)
@@ -326,7 +326,7 @@ def step_push(args) -> dict:
         for name in _sizes(args.smoke)["push_models"]:
             model_dir = Path(args.work) / "models" / name
             lm = load_model(model_dir, dtype=torch.float32).to(device)
-            policy = shard_model(PolicyLogprobs(lm, 1.0, kernels.KernelConfig()), lm, None, False)
+            policy = shard_model(Policy(lm, 1.0, kernels.KernelConfig()), lm, None, False)
             _sync(device)
             t0 = time.perf_counter()
             state = gather_full_state_dict(lm, dtype=torch.bfloat16)
@@ -357,7 +357,7 @@ def step_shared_prompts(args) -> dict:
     import kernels
     from grpo.batching import collate, collate_groups
     from grpo.models import load_model
-    from grpo.policy import PolicyLogprobs
+    from grpo.policy import Policy
     from grpo.rollout import Sample
     from grpo.shared_prompt import use_shared_prompt_attention
 
@@ -366,7 +366,7 @@ def step_shared_prompts(args) -> dict:
     lm = load_model(Path(args.work) / "models" / name, dtype=torch.float32).to(device)
     if device.type == "cuda":
         lm = lm.to(torch.bfloat16)
-    policy = PolicyLogprobs(lm, 1.0, kernels.KernelConfig())
+    policy = Policy(lm, 1.0, kernels.KernelConfig())
     rng = random.Random(0)
     prompt = [rng.randrange(3, lm.config.vocab_size) for _ in range(P)]
     group = []

@@ -16,7 +16,7 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train  # noqa: E402
-from grpo.inference import InferenceServer  # noqa: E402
+from grpo.serving.inference import InferenceServer  # noqa: E402
 
 FAULTS = set(os.environ.get("GRPO_TEST_FAULTS", "").split(","))
 calls = {"generate": 0, "push": 0}

@@ -1,16 +1,16 @@
-"""grpo.cpu_memory: freed big tensors stay in the heap, so re-allocating them costs no page faults."""
+"""grpo.cpu.memory: freed big tensors stay in the heap, so re-allocating them costs no page faults."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from grpo.cpu_memory import SETTINGS, malloc_env
+from grpo.cpu.memory import SETTINGS, malloc_env
 
 # A fresh process frees and re-allocates a 113 MB tensor (SmolLM2's embedding in fp32) and a 57 MB
 # bf16 cast of it, ten times, and prints its minor page faults per round.
 _ROUNDS = """
 import resource, sys, torch
-from grpo.cpu_memory import keep_freed_memory
+from grpo.cpu.memory import keep_freed_memory
 if sys.argv[1] == "mallopt":
     assert keep_freed_memory()
 x = torch.ones(28311552)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.inference import InferenceServer, ServerConfig
+from grpo.serving.inference import InferenceServer, ServerConfig
 from grpo.data import DataConfig, build_prompt, encode_prompt, load_problems
 from grpo.evaluation import EvalConfig, evaluate, score_completions, summarize
 from grpo.models import load_tokenizer

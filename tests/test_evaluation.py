@@ -157,7 +157,7 @@ def test_plot_script_bad_input_is_one_readable_line(tmp_path):
 
 
 def _completion(text, n_tokens, finish_reason="stop"):
-    from grpo.client import Completion
+    from grpo.serving.client import Completion
 
     return Completion(token_ids=list(range(n_tokens)), logprobs=[-0.5] * n_tokens, finish_reason=finish_reason,
                       text=text)

@@ -98,7 +98,7 @@ def test_resume_inside_a_v_window_samples_from_alpha_again(model_dir, tmp_path, 
 
 
 def test_split_cores_runs_reproduce_and_resume_inside_a_window_exactly(model_dir, tmp_path):
-    """The trainer and the CPU server on the same two cores with sample-ahead on (grpo.split_cores):
+    """The trainer and the CPU server on the same two cores with sample-ahead on (cpu.split_cores):
     a batch sampled ahead runs on half of the server's threads, any other on all of them, and that
     count is a function of the batch index alone (vLLM's CPU kernels round differently with another
     count). A run resumed inside a window samples its first batch in the foreground that the
@@ -109,7 +109,7 @@ def test_split_cores_runs_reproduce_and_resume_inside_a_window_exactly(model_dir
     if len(cores) < 2:
         pytest.skip("needs two cores to split")
     common = ["grpo.S=1", "grpo.M=6", "grpo.v=3", "grpo.i=1", "checkpoint.every=2", "checkpoint.keep_last=3",
-              "eval_data=null", "grpo.sample_ahead=true", f"server.cpu_threads={cores[0]},{cores[1]}"]
+              "eval_data=null", "grpo.sample_ahead=true", f"cpu.engine_cores={cores[0]},{cores[1]}"]
     two_threads = {**env(), "OMP_NUM_THREADS": "2"}  # the trainer's width alone; tests otherwise run it on one
     full = subprocess.run(train_cmd(1, model_dir, tmp_path, "full", *common), cwd=ROOT, env=two_threads,
                           capture_output=True, text=True, timeout=900)

@@ -5,7 +5,6 @@ import torch
 
 import kernels
 from kernels import KernelConfig
-from kernels.lm_head import CPU_BF16_MATH
 
 BACKENDS = ["torch", "triton"]
 SMALL = KernelConfig(rows_per_program=8, block_v=128)
@@ -171,43 +170,3 @@ def test_gemm_strategy_decision_table():
     assert gemm_strategy("cpu", torch.bfloat16, mixed_gemm_available=True, cpu_bf16_math=False) == "upcast"
     assert gemm_strategy("cpu", torch.float16, cpu_bf16_math=True) == "upcast"
     assert gemm_strategy("cuda", torch.bfloat16, mixed_gemm_available=False, cpu_bf16_math=True) == "upcast"
-
-
-@pytest.mark.skipif(not CPU_BF16_MATH,
-                    reason="this CPU has no bf16 hardware (AMX / AVX512-BF16): the head takes fp32 GEMMs")
-def test_cpu_bf16_math_gemms_keep_fp32_logits_and_leave_other_gemms_ieee():
-    """The bf16_math strategy's three GEMMs against fp64 references with the semantics of CUDA's
-    out_dtype path: logits from the exact bf16 products (fp32 accuracy, no bf16 output rounding),
-    weight gradient from the bf16-rounded dlogits (which shows the mode was on: an IEEE GEMM would
-    use them unrounded), hidden gradient in bf16. Afterwards fp32 GEMMs are IEEE again."""
-    from kernels.lm_head import _HeadGemms
-
-    torch.manual_seed(0)
-    n_tokens, hidden_size, vocab = 37, 96, 1000
-    hidden = torch.randn(n_tokens, hidden_size).bfloat16()
-    weight = (torch.randn(vocab, hidden_size) / hidden_size ** 0.5).bfloat16()
-    dlogits = torch.randn(n_tokens, vocab) * 1e-3
-    gemms = _HeadGemms(weight)
-    assert gemms.strategy == "bf16_math"
-    precision = torch.backends.mkldnn.matmul.fp32_precision
-
-    logits = gemms.logits(hidden)
-    exact = hidden.double() @ weight.double().t()
-    assert logits.dtype == torch.float32
-    assert (logits.double() - exact).abs().max().item() <= 1e-5 * exact.abs().max().item()
-    assert (logits.double() - (hidden @ weight.t()).double()).abs().max().item() > 1e-3  # not bf16 output
-
-    grad_weight = torch.zeros(vocab, hidden_size)
-    gemms.accumulate_grad_weight(grad_weight, dlogits, hidden)
-    rounded = dlogits.bfloat16().double().t() @ hidden.double()
-    unrounded = dlogits.double().t() @ hidden.double()
-    assert (grad_weight.double() - rounded).abs().max().item() < 1e-3 * (grad_weight.double() - unrounded).abs().max().item()
-
-    grad_hidden = torch.empty(n_tokens, hidden_size, dtype=torch.bfloat16)
-    gemms.grad_hidden(dlogits, out=grad_hidden)
-    want = (dlogits.bfloat16().double() @ weight.double()).bfloat16()
-    assert torch.allclose(grad_hidden.float(), want.float(), rtol=1e-2, atol=1e-6)
-
-    assert torch.backends.mkldnn.matmul.fp32_precision == precision
-    a, b = torch.randn(64, 128) * (1 + 1e-3), torch.randn(128, 64)  # values bf16 cannot hold
-    assert (a @ b - (a.double() @ b.double()).float()).abs().max().item() < 1e-4  # bf16 operands: ~0.05

@@ -16,12 +16,13 @@ import time
 import pytest
 import torch
 
-from grpo.client import InferenceClient, InferenceServerError, ServerUnavailableError
+from grpo.cpu import CPUConfig
+from grpo.serving.client import InferenceClient, InferenceServerError, ServerUnavailableError
 from grpo.fsutil import hash_file
-from grpo.inference import InferenceServer, ServerConfig
+from grpo.serving.inference import InferenceServer, ServerConfig
 from grpo.models import load_model, load_tokenizer
-from grpo.supervisor import group_alive
-from grpo.weight_sync import write_weights
+from grpo.serving.supervisor import group_alive
+from grpo.serving.weights_writer import write_weights
 from tiny_models import make_tiny_model_dir
 
 PROMPTS = ["What is 12 + 7?", "Natalia sold clips to 48 of her friends in April."]
@@ -40,7 +41,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    cfg = ServerConfig(dtype="float32", max_model_len=256, kv_cache_gb=1, weights_root=str(tiny["base"] / "weights"),
+    cfg = ServerConfig(dtype="float32", max_model_len=256, weights_root=str(tiny["base"] / "weights"),
                        retry_deadline_s=5.0, startup_timeout_s=400.0, enforce_eager=True, upload_timeout_s=6.0)
     with InferenceServer.launch(tiny["model_dir"], cfg, tiny["base"] / "run") as s:
         yield s
@@ -115,7 +116,7 @@ def test_seeded_batches_repeat_exactly(server, tiny):
 
 @pytest.mark.vllm
 def test_the_cpu_engine_draws_tokens_by_inverse_cdf_from_the_processed_distribution(server, tiny):
-    """The server replaces vLLM's CPU Gumbel sampler with inverse-CDF sampling (grpo.vllm_sampler)
+    """The server replaces vLLM's CPU Gumbel sampler with inverse-CDF sampling (grpo.cpu.sampler)
     and says so in /grpo/health. Through the real engine, first tokens follow softmax(logits / T)
     as HF computes it for the same weights (chi-square over 3000 draws, within 5 standard deviations), and with top_k only the
     k most likely tokens are ever drawn, in their renormalised proportions."""
@@ -332,7 +333,7 @@ def test_killed_server_gives_clear_error_and_generate_restarts_it(server, tiny):
 def test_startup_timeout_shows_log_tail(tmp_path):
     model_dir = make_tiny_model_dir(tmp_path / "model", seed=0)
     cfg = ServerConfig(startup_timeout_s=3.0, weights_root=str(tmp_path / "w"))
-    with pytest.raises(ServerUnavailableError, match=r"(?s)not healthy after 3 s.*starting grpo.server"):
+    with pytest.raises(ServerUnavailableError, match=r"(?s)not healthy after 3 s.*starting grpo.serving.server"):
         InferenceServer.launch(model_dir, cfg, tmp_path / "run")
     log = (tmp_path / "run" / "server" / "server.log").read_text()
     assert (tmp_path / "run" / "server" / "token").read_text() not in log  # the token is never logged
@@ -349,7 +350,7 @@ def _running(pid: int) -> bool:
 def test_child_dies_with_its_parent(tmp_path):
     """A trainer killed with SIGKILL (no atexit) still takes the server down with it."""
     pid_file = tmp_path / "child.pid"
-    child = ("import os, sys, time; from grpo.supervisor import die_with_parent; die_with_parent(os.getppid()); "
+    child = ("import os, sys, time; from grpo.serving.supervisor import die_with_parent; die_with_parent(os.getppid()); "
              f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
     parent = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -371,10 +372,10 @@ def test_child_dies_with_its_parent(tmp_path):
 
 
 def test_the_engine_dies_with_a_server_killed_during_start_up(tiny, tmp_path):
-    """`python -m grpo.server` killed while its engine loads (SIGKILL: no handler of its own runs)
+    """`python -m grpo.serving.server` killed while its engine loads (SIGKILL: no handler of its own runs)
     must not leave vLLM's engine-core process behind holding cores and memory: it did, and only
     the supervisor's process-group kill caught it; a server started by hand has no supervisor.
-    The engine core now dies with its server (grpo.vllm_executor)."""
+    The engine core now dies with its server (grpo.cpu.engine)."""
     token = tmp_path / "token"
     fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, b"t" * 32)
@@ -383,7 +384,7 @@ def test_the_engine_dies_with_a_server_killed_during_start_up(tiny, tmp_path):
     root.mkdir(mode=0o700)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                VLLM_CPU_KVCACHE_SPACE="1")
-    server = subprocess.Popen([sys.executable, "-m", "grpo.server", "--model", str(tiny["model_dir"]), "--weights-root",
+    server = subprocess.Popen([sys.executable, "-m", "grpo.serving.server", "--model", str(tiny["model_dir"]), "--weights-root",
                                str(root), "--token-file", str(token), "--dtype", "float32", "--max-model-len", "256",
                                "--enforce-eager"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
@@ -427,8 +428,8 @@ def _name(pid: int) -> str:
 def test_config_validation():
     with pytest.raises(ValueError, match="weights_root: attaching with push_mode 'path'"):
         ServerConfig(url="http://10.0.0.2:8000")
-    with pytest.raises(ValueError, match="kv_cache_gb"):
-        ServerConfig(kv_cache_gb=1.5)
+    with pytest.raises(ValueError, match="engine_kv_cache_gb"):
+        CPUConfig(engine_kv_cache_gb=1.5)
     with pytest.raises(ValueError, match="device"):
         ServerConfig(device="gpu0")
     ServerConfig(url="http://10.0.0.2:8000", push_mode="bytes")
@@ -533,7 +534,7 @@ def test_concurrent_uploads_of_one_version_give_one_success_and_one_409(server, 
     assert len(ok) >= 1 and all(r.status == 409 for r in refused), results
     assert ok[0]["version"] == v or ok[0].get("unchanged")
     assert server.client.weights_version() == v
-    from grpo.weight_sync import weights_dir_name
+    from grpo.serving.weights_dir import weights_dir_name
 
     served_dir = server.weights_root / weights_dir_name(v)
     assert (served_dir / "model.safetensors").is_file() and (served_dir / "manifest.json").is_file()
@@ -543,7 +544,8 @@ def test_concurrent_uploads_of_one_version_give_one_success_and_one_409(server, 
 
 
 def test_weights_root_must_be_own_private_directory(tmp_path):
-    from grpo.weight_sync import WeightPushError, check_weights_root
+    from grpo.serving.weights_check import check_weights_root
+    from grpo.serving.weights_dir import WeightPushError
 
     made = check_weights_root(tmp_path / "fresh")
     assert (os.stat(made).st_mode & 0o777) == 0o700
@@ -559,7 +561,7 @@ def test_weights_root_must_be_own_private_directory(tmp_path):
     token = tmp_path / "token"
     token.write_text("t" * 32)
     os.chmod(token, 0o600)
-    proc = subprocess.run([sys.executable, "-m", "grpo.server", "--model", str(tmp_path), "--weights-root",
+    proc = subprocess.run([sys.executable, "-m", "grpo.serving.server", "--model", str(tmp_path), "--weights-root",
                            str(tmp_path / "link"), "--token-file", str(token)], capture_output=True, text=True,
                           timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 2 and "symlink" in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
@@ -586,8 +588,8 @@ def test_engine_fingerprint_matches_the_push_and_catches_a_different_load(server
     engine holds; the trainer checks them against what it pushed. Here the file written differs
     from the state dict the trainer believes it pushed (the hash is of the file, so nothing else
     notices): the push stops with the tensor's name."""
-    import grpo.inference as inference
-    from grpo.inference import WeightsMismatchError
+    import grpo.serving.inference as inference
+    from grpo.serving.inference import WeightsMismatchError
 
     sd = _perturbed(tiny["hf"], seed=18)
     version = _push_next(server, sd)  # a clean push passes the check
@@ -645,8 +647,8 @@ def test_the_engine_keeps_freed_memory_in_its_heap(server):
     """Every push frees and re-allocates the engine's tensors; with glibc's defaults the freed memory
     went back to the system and came back as fresh pages (32k page faults per SmolLM2 reload). The
     launched CPU server's processes, the engine's workers included, run with the malloc settings
-    that keep it (grpo.cpu_memory)."""
-    from grpo.cpu_memory import malloc_env
+    that keep it (grpo.cpu.memory)."""
+    from grpo.cpu.memory import malloc_env
 
     environs = {}
     for d in os.listdir("/proc"):
@@ -667,17 +669,17 @@ def test_a_batch_on_one_thread_leaves_the_other_core_to_the_trainer(server, tiny
     through the whole batch: SmolLM2 on one worker thread, the engine core used 11.2 CPU-s of a
     13.4 s batch, on the trainer's core (tiny model: engine core and worker together 1.6-1.95 CPU-s
     per second). The CPU engine now runs its model inside the engine-core process
-    (grpo.vllm_executor): no worker process, no queue to poll, about one core (0.97 per second)."""
+    (grpo.cpu.engine): no worker process, no queue to poll, about one core (0.97 per second)."""
     if len(server.cpu_cores) < 2:
         pytest.skip("the server is bound to one core: nothing is left to the trainer anyway")
     ids = tiny["prompt_ids"]
-    server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=5, threads=1)  # the thread change, once
+    server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=5, engine_threads=1)  # the thread change, once
     before, t0 = _cpu_seconds_by_name(server.pid), time.monotonic()
-    out = server.generate(ids, n=32, max_tokens=128, temperature=1.0, seed=5, threads=1)
+    out = server.generate(ids, n=32, max_tokens=128, temperature=1.0, seed=5, engine_threads=1)
     wall = time.monotonic() - t0
     after = _cpu_seconds_by_name(server.pid)
     engine = {name: after[name] - before.get(name, 0.0) for name in after if name.startswith("VLLM::")}
-    assert out.threads == 1
+    assert out.engine["server_threads"] == 1
     assert list(engine) == ["VLLM::EngineCor"], f"the engine runs in more than one process: {sorted(after)}"
     # one thread computing, plus the engine core's socket threads (the API process decodes text, as before)
     assert engine["VLLM::EngineCor"] < 1.15 * wall, f"the engine used {engine} CPU-s in a {wall:.2f} s one-thread batch"
@@ -704,7 +706,7 @@ def test_the_engine_workers_heap_is_frozen_after_start_up(server):
 @pytest.mark.vllm
 def test_a_request_sets_the_engines_threads_for_its_batch(server, tiny):
     """Where the trainer and the server share cores, a batch sampled ahead runs on half of the
-    server's threads (grpo.layout.core_split). Each request names its count (None: all bound
+    server's threads (grpo/cpu/cores.py). Each request names its count (None: all bound
     cores) and the reply says what the engine ran on. vLLM's CPU worker replaces
     torch.set_num_threads with a no-op after binding its threads, so a plain call left the engine
     on all of them (it reported 2 after asking for 1); the worker extension calls the original."""
@@ -712,20 +714,21 @@ def test_a_request_sets_the_engines_threads_for_its_batch(server, tiny):
     if bound < 2:
         pytest.skip(f"the server is bound to {bound} core: nothing to split")
     ids = tiny["prompt_ids"]
-    one = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, threads=1)
-    assert one.threads == 1
+    one = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, engine_threads=1)
+    assert one.engine["server_threads"] == 1
     full = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7)
-    assert full.threads == bound
-    assert server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, threads=bound + 5).threads == bound
+    assert full.engine["server_threads"] == bound
+    too_many = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, engine_threads=bound + 5)
+    assert too_many.engine["server_threads"] == bound
     # a push reloads on all cores but one (its hash check takes that one); the next batch asks for its own
     _push_next(server, _perturbed(tiny["hf"], seed=21))
-    assert server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7).threads == bound
+    assert server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7).engine["server_threads"] == bound
     _push_next(server, _perturbed(tiny["hf"], seed=22))
-    one = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, threads=1)
-    assert one.threads == 1
+    one = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, engine_threads=1)
+    assert one.engine["server_threads"] == 1
     server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7)
     # the same (weights, prompts, seed, threads) samples the same batch, whichever count came before
-    again = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, threads=1)
+    again = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, engine_threads=1)
     assert [[c.token_ids for c in g] for g in again.completions] == [[c.token_ids for c in g] for g in one.completions]
     assert [[c.logprobs for c in g] for g in again.completions] == [[c.logprobs for c in g] for g in one.completions]
 

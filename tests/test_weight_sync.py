@@ -7,18 +7,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from grpo.weight_sync import (
-    SERVING_MARKER,
-    SPARE_FILE,
-    WeightPushError,
-    check_weights_dir,
-    list_weights_dirs,
-    prune_weights,
-    resolve_under_root,
-    verify_weights_dir,
-    weights_dir_name,
-    write_weights,
-)
+from grpo.serving.weights_check import check_weights_dir, resolve_under_root, verify_weights_dir
+from grpo.serving.weights_dir import (SERVING_MARKER, SPARE_FILE, WeightPushError, list_weights_dirs, prune_weights,
+                                      weights_dir_name)
+from grpo.serving.weights_writer import write_weights
 
 
 def _config_dir(tmp_path, tie=False):
@@ -267,7 +259,7 @@ def test_writer_casts_while_writing_any_layout(tmp_path):
     integer buffers, empty tensors) and casts only the floating ones while copying them into
     the file: the file equals safetensors' own reading of the cast tensors, byte for byte in
     values, and read_safetensors' memory-mapped views equal them too."""
-    from grpo.weight_sync import read_safetensors
+    from grpo.serving.weights_dir import read_safetensors
 
     g = torch.Generator().manual_seed(3)
     sd = {
@@ -292,7 +284,7 @@ def test_writer_casts_while_writing_any_layout(tmp_path):
 def test_tensor_moments_match_fp64_on_odd_shapes():
     """The fast moments agree with fp64 reductions to ~1e-8 (the fingerprint tolerance is 1e-6) on
     shapes that leave partial blocks and chunks, in fp32 and bf16, and with rounding to bf16."""
-    from grpo.weight_sync import tensor_moments
+    from grpo.serving.fingerprint import tensor_moments
 
     g = torch.Generator().manual_seed(4)
     for shape in [(1,), (4095,), (4097,), (3, 1000, 357), ((1 << 20) + 4099,)]:
@@ -312,7 +304,7 @@ def test_tensor_moments_match_fp64_on_odd_shapes():
 
 
 def test_fingerprint_mismatches_folds_packed_modules_and_names_the_culprit():
-    from grpo.weight_sync import fingerprint_mismatches, tensor_moments
+    from grpo.serving.fingerprint import fingerprint_mismatches, tensor_moments
 
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(4, 3, generator=g) for _ in range(3))
@@ -335,7 +327,7 @@ def test_moments_the_fingerprint_cannot_see_are_not_computed(tmp_path):
     """On a CPU engine the linear weights are packed into oneDNN handles (numel 0 in the
     fingerprint): after the first push the trainer leaves their moments out, and the check of what
     it still computes passes, and still names a norm the engine holds wrongly."""
-    from grpo.weight_sync import fingerprint_mismatches, pushed_moments, tensor_moments, unseen_by_fingerprint
+    from grpo.serving.fingerprint import fingerprint_mismatches, pushed_moments, tensor_moments, unseen_by_fingerprint
 
     sd = {"model.embed_tokens.weight": torch.randn(10, 4), "model.norm.weight": torch.randn(4),
           "model.layers.0.self_attn.q_proj.weight": torch.randn(4, 4),
@@ -356,7 +348,7 @@ def test_moments_the_fingerprint_cannot_see_are_not_computed(tmp_path):
 
 
 def test_check_finite_names_the_tensor_with_nan_or_inf(tmp_path):
-    from grpo.weight_sync import check_finite, check_weights_dir
+    from grpo.serving.weights_check import check_finite, check_weights_dir
 
     for bad in (float("nan"), float("inf"), float("-inf")):
         sd = _state_dict()

@@ -4,12 +4,8 @@ A trainer on CPU (FSDP2's all-gather buffers and bf16 casts, activations, gradie
 every micro-batch) and a CPU vLLM engine (every weight push re-allocates its layers) free and
 re-allocate big tensors all the time. With glibc's defaults a block above the mmap threshold
 (dynamic, at most 32 MiB) is unmapped when freed and the next one maps fresh pages: a page fault
-per 4 KiB, ~41k for one fp32->bf16 cast and one copy of SmolLM2's 28M-element embedding, ~8k with
-these settings. They keep freed memory in the heap: the process stays at its high-water mark, as it
-would on a GPU's caching allocator.
-
-Measured on the 2-core AMX machine: a SmolLM2 train micro-batch (8 x 230 tokens, bf16, beta > 0)
-3.84-4.20 s -> 3.37-3.50 s; the CPU engine's reload per push 0.261 -> 0.228-0.244 s.
+per 4 KiB. These settings keep freed memory in the heap: the process stays at its high-water mark,
+as it would on a GPU's caching allocator (docs/cpu.md has the page-fault counts and timings).
 """
 from __future__ import annotations
 

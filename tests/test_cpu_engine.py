@@ -1,4 +1,4 @@
-"""grpo.vllm_executor: the bind values it understands, and that restricting a process reaches
+"""grpo.cpu.engine: the bind values it understands, and that restricting a process reaches
 every thread it has and starts (a real subprocess). The engine itself is tested in
 tests/test_server.py (one engine process using about one core, an engine that dies with its server)."""
 import json
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from grpo.vllm_executor import bind_cores
+from grpo.cpu.engine import bind_cores
 
 
 def test_bind_values():
@@ -25,7 +25,7 @@ def test_restrict_process_reaches_threads_started_before_and_after():
     core = min(os.sched_getaffinity(0))
     script = textwrap.dedent(f"""
         import json, os, threading, torch
-        from grpo.vllm_executor import restrict_process
+        from grpo.cpu.engine import restrict_process
         stop = threading.Event()
         early = threading.Thread(target=stop.wait, daemon=True); early.start()   # a socket thread, say
         restrict_process([{core}])

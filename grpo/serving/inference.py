@@ -5,8 +5,8 @@
     server.push(full_state_dict, version=3, step=120)        # every v iterations (rank 0)
     server.stop()
 
-The object owns both things the loop asks of the server: a push is write (grpo.weight_sync,
-atomic, hashed with server.weights_hash) -> load -> prune in one call, and generation survives a
+The object owns both things the loop asks of the server: a push is write (weights_writer, atomic,
+hashed with server.weights_hash) -> load -> check the engine's fingerprint -> prune in one call, and generation survives a
 dead server: a launched child that died is restarted, the weights it served re-pushed (none
 before the first push: a fresh server serves the model directory as version 0, which is what it
 served), and the request retried. A request the server refuses (4xx) is raised as it is.
@@ -28,12 +28,12 @@ from typing import Literal, Optional
 
 import torch
 
-from grpo.client import GenerationResult, InferenceClient, InferenceServerError, ServerUnavailableError
-from grpo.cpu_memory import malloc_env
-from grpo.layout import cpu_has_native_bf16, parse_cpu_list
-from grpo.supervisor import ServerProcess
-from grpo.weight_sync import (fingerprint_mismatches, prune_weights, pushed_moments, unseen_by_fingerprint,
-                               write_weights)
+from grpo.cpu import CPUConfig
+from grpo.serving.client import GenerationResult, InferenceClient, InferenceServerError, ServerUnavailableError
+from grpo.serving.fingerprint import fingerprint_mismatches, pushed_moments, unseen_by_fingerprint
+from grpo.serving.supervisor import ServerProcess
+from grpo.serving.weights_dir import prune_weights
+from grpo.serving.weights_writer import write_weights
 
 TOKEN_ENV = "GRPO_SERVER_TOKEN"
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -61,10 +61,7 @@ class ServerConfig:
     retry_deadline_s: float = 60.0  # transient failures are retried with backoff for this long
     max_model_len: int = 2048  # prompt + completion tokens per sequence
     gpu_memory_utilization: Optional[float] = None  # vLLM's share of its GPU; None: 0.85 on its own GPU, 0.3 shared
-    kv_cache_gb: float = 1.0  # CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)
-    cpu_threads: Optional[str] = None  # CPU only: cores for vLLM's threads, e.g. "0-1"; None = see docs
     seed: int = 0  # engine seed (set once; per-request seeds kill the CPU engine)
-    sampler: Literal["inverse_cdf", "vllm"] = "inverse_cdf"  # CPU engine: how tokens are drawn (grpo.vllm_sampler)
     trust_remote_code: bool = False  # let the model directory run its own Python code
     enforce_eager: bool = False  # no CUDA graphs / compilation: faster start, slower decoding
 
@@ -89,10 +86,6 @@ class ServerConfig:
             raise ValueError(f"max_model_len: must be >= 16, got {self.max_model_len}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_gb < 1 or self.kv_cache_gb != int(self.kv_cache_gb):
-            raise ValueError(f"kv_cache_gb: must be a whole number of GiB >= 1 (vLLM reads an integer), got {self.kv_cache_gb}")
-        if self.cpu_threads is not None and not all(p.replace("-", "").isdigit() for p in self.cpu_threads.split(",")):
-            raise ValueError(f"cpu_threads: must be a CPU list like '0-1' or '2,3', got {self.cpu_threads!r}")
 
 
 def check_context_fits(cfg: ServerConfig, longest_prompt: int, budgets: dict[str, int]) -> None:
@@ -109,7 +102,7 @@ def serving_dtype(cfg: ServerConfig, model_dir: str | os.PathLike, on_cpu: bool 
                   native_bf16: Optional[bool] = None) -> torch.dtype:
     """The dtype vLLM serves in, so a push is cast once on the trainer and needs no conversion on
     the server. server.dtype "auto" = the model directory's own dtype (else bf16), except that a
-    server on a CPU without native bf16 (on_cpu; native_bf16: grpo.layout.cpu_has_native_bf16,
+    server on a CPU without native bf16 (on_cpu; native_bf16: grpo.cpu.bf16.multiplies_bf16,
     detected when None) serves a 16-bit model in fp32: emulated 16-bit matmuls are many times
     slower there. A launched server is given this dtype explicitly (never vLLM's own "auto" rule),
     and refuses pushes in any other."""
@@ -122,20 +115,15 @@ def serving_dtype(cfg: ServerConfig, model_dir: str | os.PathLike, on_cpu: bool 
     dtype = getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) \
         else torch.bfloat16
     if on_cpu and dtype in (torch.bfloat16, torch.float16) and not (
-            cpu_has_native_bf16() if native_bf16 is None else native_bf16):
+            _cpu_multiplies_bf16() if native_bf16 is None else native_bf16):
         return torch.float32
     return dtype
 
 
-def _cpu_bind_list(cpu_threads: Optional[str]) -> str:
-    """Cores for vLLM's OpenMP threads. With >= 4 usable cores the server takes the upper half
-    (give the trainer the lower half); with fewer it shares them all, since GRPO alternates
-    sampling and training rather than running both at once."""
-    if cpu_threads:
-        return cpu_threads
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    chosen = cpus[len(cpus) // 2:] if len(cpus) >= 4 else cpus
-    return ",".join(map(str, chosen))
+def _cpu_multiplies_bf16() -> bool:
+    from grpo.cpu.bf16 import multiplies_bf16
+
+    return multiplies_bf16()
 
 
 def _private_root(parent: Path, name: str) -> Path:
@@ -154,23 +142,12 @@ def _default_parent(run_dir: Path, need_bytes: int, keep_last: int) -> Path:
     return run_dir
 
 
-def _on_threads(threads: int, fn, *args):
-    """fn(*args) with torch's intra-op threads set to `threads` meanwhile (the caller's other
-    threads do no tensor work then: the trainer waits on the push request)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(before)
-
-
 class WeightsMismatchError(InferenceServerError):
     """The weights the engine reports holding are not those the trainer pushed: stop the run."""
 
 
 class InferenceServer:
-    """A grpo.server child process (or an attached URL), its client, and the weights it serves."""
+    """A grpo.serving.server child process (or an attached URL), its client, and the weights it serves."""
 
     def __init__(self, cfg: ServerConfig, client: InferenceClient, model_dir: Path, run_dir: Path,
                  weights_root: Optional[Path], process: Optional[ServerProcess] = None,
@@ -185,7 +162,7 @@ class InferenceServer:
         self._served: Optional[tuple[Path, int, str]] = None  # (dir, version, mode): what a restart re-serves
         self._stopped = False
         self.serve_dtype = serve_dtype or serving_dtype(cfg, model_dir)
-        self.cpu_cores: Optional[list[int]] = None  # a launched CPU server: the cores its threads are bound to
+        self.cpu_cores: Optional[list[int]] = None  # a launched CPU engine: the cores its threads are bound to
         self._unseen = None  # pushed tensors the engine's fingerprint cannot show (known after the first push)
 
     @property
@@ -198,9 +175,10 @@ class InferenceServer:
     # -- construction
     @classmethod
     def launch(cls, model_dir: str | Path, cfg: ServerConfig, run_dir: str | Path, gpu: Optional[str] = None,
-               gpu_memory_utilization: Optional[float] = None) -> "InferenceServer":
-        """Start `python -m grpo.server` as a child and wait for its health (or attach if cfg.url).
-        gpu: the CUDA_VISIBLE_DEVICES entry of the server's GPU (grpo.layout decides), None: CPU."""
+               gpu_memory_utilization: Optional[float] = None, cpu: Optional[CPUConfig] = None) -> "InferenceServer":
+        """Start `python -m grpo.serving.server` as a child and wait for its health (or attach if cfg.url).
+        gpu: the CUDA_VISIBLE_DEVICES entry of the server's GPU (grpo.layout decides), None: CPU, where
+        `cpu` (the config's `cpu:` section, defaults when None) sets up the engine."""
         model_dir, run_dir = Path(model_dir).resolve(), Path(run_dir).resolve()
         if cfg.url:
             token = Path(cfg.token_file).read_text().strip() if cfg.token_file else os.environ.get(TOKEN_ENV)
@@ -222,7 +200,7 @@ class InferenceServer:
         os.close(fd)
         fraction = gpu_memory_utilization or cfg.gpu_memory_utilization or 0.85
         dtype = serving_dtype(cfg, model_dir, on_cpu=gpu is None)
-        cmd = [sys.executable, "-m", "grpo.server", "--model", str(model_dir), "--weights-root", str(root),
+        cmd = [sys.executable, "-m", "grpo.serving.server", "--model", str(model_dir), "--weights-root", str(root),
                "--token-file", str(token_file), "--port-file", str(server_dir / "port"), "--host", cfg.host,
                "--dtype", str(dtype).removeprefix("torch."),
                "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
@@ -230,24 +208,25 @@ class InferenceServer:
                "--parent-pid", str(os.getpid()), "--upload-timeout-s", str(cfg.upload_timeout_s)]
         cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
         cmd += ["--enforce-eager"] if cfg.enforce_eager else []
-        cmd += ["--sampler", cfg.sampler]
         env = dict(os.environ)
         env.pop(TOKEN_ENV, None)
         env["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU server never touches the trainers' GPUs
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_gb))
-            env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_bind_list(cfg.cpu_threads)
-            for key, value in malloc_env().items():  # a push re-allocates the engine's layers: keep freed memory
-                env.setdefault(key, value)
+        else:  # on this machine's CPU: the fence sets up the engine
+            from grpo.cpu.serving import BIND_ENV, engine_env
+
+            cpu = cpu or CPUConfig()
+            env.update(engine_env(cpu))
+            cmd += ["--cpu-sampler", cpu.engine_sampler, "--cpu-executor", cpu.engine_executor]
         process = ServerProcess(cmd, env, server_dir, cfg.host)
         client = InferenceClient("http://unset", token, cfg.request_timeout_s, cfg.retry_deadline_s,
                                  death_check=process.death_reason)
         server = cls(cfg, client, model_dir, run_dir, root, process, token, serve_dtype=dtype)
         if gpu is None:
-            server.cpu_cores = parse_cpu_list(env["VLLM_CPU_OMP_THREADS_BIND"])
+            from grpo.cpu.cores import parse_cpu_list
+
+            server.cpu_cores = parse_cpu_list(env[BIND_ENV])
         try:
             server._start(cfg.port)
         except BaseException:
@@ -259,10 +238,10 @@ class InferenceServer:
     # -- what the loop asks
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
                  top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None,
-                 seed: Optional[int] = None, threads: Optional[int] = None) -> GenerationResult:
+                 seed: Optional[int] = None, engine_threads: Optional[int] = None) -> GenerationResult:
         """client.generate, surviving the death of a launched server (restart, re-serve, retry once)."""
         return self._surviving(lambda: self.client.generate(prompt_token_ids, n, max_tokens, temperature, top_p,
-                                                            stop_token_ids, seed, threads))
+                                                            stop_token_ids, seed, engine_threads))
 
     def _surviving(self, call):
         """call(); if a launched server died under it (before, during or after a push), restart it,
@@ -287,13 +266,9 @@ class InferenceServer:
                                     dtype=self.serve_dtype, hash_algo=self.cfg.weights_hash, reuse_spare=True)
         t1 = time.perf_counter()
         # What the engine should hold, from the state dict itself (not from the file: a writer bug
-        # is caught too), computed in a thread while the server loads; on one thread where the
-        # server's threads run on this trainer's cores (its reload leaves one core to its own hash
-        # check, and a second team of threads there would stall both).
-        threads = 1 if self.shares_cores() else torch.get_num_threads()
+        # is caught too), computed in a thread while the server loads.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push-moments") as pool:
-            expected = pool.submit(_on_threads, threads, pushed_moments, state_dict, self.serve_dtype, self.model_dir,
-                                   self._unseen)
+            expected = pool.submit(self._moments, state_dict)
             reply = self._surviving(lambda: self._load(weights_dir, version, self.cfg.push_mode))
             t2 = time.perf_counter()
             expected = expected.result()
@@ -310,9 +285,17 @@ class InferenceServer:
                 "seconds": time.perf_counter() - t0,
                 "write_seconds": t1 - t0, "load_seconds": t2 - t1, "check_seconds": t3 - t2}
 
-    def shares_cores(self) -> bool:
-        """A launched CPU server whose threads are bound to cores this process runs on too."""
-        return bool(self.cpu_cores) and bool(set(self.cpu_cores) & set(os.sched_getaffinity(0)))
+    def _moments(self, state_dict: dict[str, torch.Tensor]) -> dict:
+        """pushed_moments of this push; on one thread where a CPU engine's threads run on this
+        trainer's cores (its reload leaves one core to its own hash check, and a second team of
+        threads there would stall both)."""
+        moments = lambda: pushed_moments(state_dict, self.serve_dtype, self.model_dir, self._unseen)  # noqa: E731
+        if self.cpu_cores:
+            from grpo.cpu.cores import on_threads, shares_cores
+
+            if shares_cores(self.cpu_cores):
+                return on_threads(1, moments)
+        return moments()
 
     @property
     def weights_root(self) -> Optional[Path]:

@@ -1,4 +1,4 @@
-"""The HTTP client of grpo.server: requests with retries for transient failures, errors that say why.
+"""The HTTP client of grpo.serving.server: requests with retries for transient failures, errors that say why.
 
     client = InferenceClient("http://127.0.0.1:8000", token)
     result = client.generate(prompt_ids, n=G, max_tokens=200, temperature=0.1, seed=7)
@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import requests
 
-from grpo.weight_sync import MANIFEST_NAME
+from grpo.serving.weights_dir import MANIFEST_NAME
 
 TRANSIENT_STATUS = (502, 503, 504)
 
@@ -40,7 +40,7 @@ class Completion:
 class GenerationResult:
     completions: list[list[Completion]]  # [prompt][sample]
     weights_version: int  # the pushed version that produced every completion here
-    threads: int = 0  # the engine's OpenMP threads while it sampled them (0: not reported, e.g. a GPU engine)
+    engine: dict = field(default_factory=dict)  # what the engine reports of the batch (a CPU engine: its threads)
 
 
 class InferenceServerError(RuntimeError):
@@ -64,7 +64,7 @@ def _reason(resp: requests.Response) -> str:
 
 
 class InferenceClient:
-    """HTTP client for grpo.server."""
+    """HTTP client for grpo.serving.server."""
 
     def __init__(self, url: str, token: Optional[str], timeout_s: float = 600.0, retry_deadline_s: float = 60.0,
                  death_check: Optional[Callable[[], Optional[str]]] = None) -> None:
@@ -127,19 +127,19 @@ class InferenceClient:
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
                  top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None,
-                 seed: Optional[int] = None, threads: Optional[int] = None) -> GenerationResult:
+                 seed: Optional[int] = None, engine_threads: Optional[int] = None) -> GenerationResult:
         """n samples for each prompt (token ids), with the sampled tokens' log-probs. With `seed`,
         the server reseeds its sampler and schedules this batch alone: the same weights, prompts
-        and seed give the same samples (how a resumed run repeats the uninterrupted one). threads:
-        a CPU engine's OpenMP threads for this batch (None: all it is bound to); its kernels round
-        differently with another count, so a batch's samples depend on it too."""
+        and seed give the same samples (how a resumed run repeats the uninterrupted one).
+        engine_threads: a CPU engine's OpenMP threads for this batch (None: all it is bound to; see
+        grpo/cpu/cores.py); its kernels round differently with another count."""
         out = self.request("POST", "/grpo/generate", json_body={
             "prompt_token_ids": [list(map(int, p)) for p in prompt_token_ids], "n": n, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "stop_token_ids": stop_token_ids, "seed": seed,
-            "threads": threads})
+            "threads": engine_threads})
         return GenerationResult(
             completions=[[Completion(**c) for c in per_prompt] for per_prompt in out["completions"]],
-            weights_version=int(out["weights_version"]), threads=int(out.get("threads") or 0))
+            weights_version=int(out["weights_version"]), engine=dict(out.get("engine") or {}))
 
     def push_weights(self, weights_dir: Path, version: int, mode: str = "path") -> dict:
         """Make the server serve `weights_dir` (from write_weights) as `version`: {version, seconds,

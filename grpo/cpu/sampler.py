@@ -1,15 +1,14 @@
 """Inverse-CDF sampling for vLLM's CPU engine: one uniform per row instead of one Gumbel per token.
 
 vLLM's CPU sampler (`TopKTopPSampler.forward_cpu`) draws a SplitMix64 Gumbel number for every
-vocabulary entry of every row and takes the argmax: 9.7 ms of a 70 ms decode step at 64 rows on
-SmolLM2 (49k vocabulary), as much as all of attention. The sampler has already computed the
-processed log-probs it returns (`--logprobs-mode processed_logprobs`), so one uniform per row and a
-search through the cumulative distribution picks the same law of tokens: exp, block sums in fp64,
-a search among the blocks, then one within the block: 2.75 ms against 10.2 at 64 rows, 1.07
-against 2.70 at 18 (one process, 2 threads, AMX machine), 5-8% of a 64-sequence decode step.
+vocabulary entry of every row and takes the argmax, as costly as all of attention for a small model
+with a large vocabulary. The sampler has already computed the processed log-probs it returns
+(`--logprobs-mode processed_logprobs`), so one uniform per row and a search through the cumulative
+distribution picks the same law of tokens: exp, block sums in fp64, a search among the blocks,
+then one within the block (docs/benchmarks has the timings). GPU engines keep vLLM's sampler.
 
 Samples are still a function of the global RNG that the server reseeds before each batch
-(grpo.vllm_worker_ext.grpo_reseed): the uniforms come from torch's default generator, or from a
+(grpo.serving.worker_ext.grpo_reseed): the uniforms come from torch's default generator, or from a
 request's own generator where it has one.
 """
 from typing import Optional

@@ -1,4 +1,4 @@
-"""Inverse-CDF sampling (grpo.vllm_sampler) against a plain fp64 search of the whole CDF, its law
+"""Inverse-CDF sampling (grpo.cpu.sampler) against a plain fp64 search of the whole CDF, its law
 against the probabilities (chi-square), and the edges: filtered tokens, a single token with mass,
 u at 0 and just below 1, vocabularies that are not a whole number of blocks."""
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from grpo.vllm_sampler import sample_from_logprobs, search_block, uniforms
+from grpo.cpu.sampler import sample_from_logprobs, search_block, uniforms
 
 
 def naive(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 No orphans: the child runs in its own process group (stop() signals the whole group, so vLLM's
 engine and worker processes go too), stop() is registered with atexit, and the child kills
 itself when this process dies (die_with_parent: PR_SET_PDEATHSIG plus a parent-pid watchdog), as
-does its vLLM engine-core process when the server dies (grpo.vllm_executor).
+does its vLLM engine-core process when the server dies (grpo.cpu.engine).
 """
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from grpo.client import ServerUnavailableError
+from grpo.serving.client import ServerUnavailableError
 
-SERVER_PID_ENV = "GRPO_SERVER_PID"  # set by grpo.server for its engine's processes: the pid they die with
+SERVER_PID_ENV = "GRPO_SERVER_PID"  # set by grpo.serving.server for its engine's processes: the pid they die with
 
 
 class ServerProcess:
-    """`python -m grpo.server ...` as a child: `cmd` without --port, `server_dir` for its log and port file."""
+    """`python -m grpo.serving.server ...` as a child: `cmd` without --port, `server_dir` for its log and port file."""
 
     def __init__(self, cmd: list[str], env: dict, server_dir: Path, host: str) -> None:
         self.cmd, self.env, self.server_dir, self.host = cmd, env, Path(server_dir), host
@@ -38,14 +38,14 @@ class ServerProcess:
         port_file = self.server_dir / "port"
         port_file.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting grpo.server\n".encode())
+            log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting grpo.serving.server\n".encode())
             self.process = subprocess.Popen(self.cmd + ["--port", str(port)], env=self.env, stdin=subprocess.DEVNULL,
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.kill()
-                raise ServerUnavailableError(f"grpo.server exited with code {self.process.returncode} during "
+                raise ServerUnavailableError(f"grpo.serving.server exited with code {self.process.returncode} during "
                                              f"start-up; last lines of {self.log_path}:\n{self.log_tail()}")
             if port_file.is_file() and (text := port_file.read_text().strip()):
                 self.url = f"http://{self.host}:{int(text)}"
@@ -53,13 +53,13 @@ class ServerProcess:
                     return self.url
             time.sleep(0.5)
         self.kill()
-        raise ServerUnavailableError(f"grpo.server not healthy after {timeout_s:.0f} s (server.startup_timeout_s); "
+        raise ServerUnavailableError(f"grpo.serving.server not healthy after {timeout_s:.0f} s (server.startup_timeout_s); "
                                      f"last lines of {self.log_path}:\n{self.log_tail()}")
 
     def death_reason(self) -> Optional[str]:
         """Why the child is gone, with its log tail; None while it runs."""
         if self.process is not None and self.process.poll() is not None:
-            return (f"the grpo.server process (pid {self.process.pid}) exited with code {self.process.returncode}; "
+            return (f"the grpo.serving.server process (pid {self.process.pid}) exited with code {self.process.returncode}; "
                     f"InferenceServer.restart() starts it again. Last lines of {self.log_path}:\n{self.log_tail()}")
         return None
 

@@ -1,0 +1,55 @@
+"""Inside a CPU vLLM engine: the model in the engine-core process, bound to its cores, with the
+methods a CPU engine adds to vLLM's worker.
+
+vLLM forces its multiprocess executor on CPU ("uni" is rewritten to "mp": OpenMP binding is set
+through the worker's environment). There every decode step goes engine core -> shared-memory queue
+-> worker process -> queue -> engine core, both readers poll, and the polling takes a core the
+trainer was meant to have. `InProcessExecutor` (vLLM's single-process executor, passed by class
+name so the platform keeps it; `cpu.engine_executor: in_process`, the default) runs the worker in
+the engine core and does directly what the multiprocess executor did through the environment: the
+process is restricted to the cores of VLLM_CPU_OMP_THREADS_BIND and torch runs one OpenMP thread
+per core. GPU engines keep the executor vLLM chooses.
+
+The methods a CPU engine adds to vLLM's worker are in grpo/cpu/worker.py.
+"""
+import os
+from typing import Optional
+
+from vllm.platforms import current_platform
+from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+from grpo.cpu.cores import parse_cpu_list
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# what grpo.serving.server passes as --distributed-executor-backend to a CPU engine
+EXECUTOR = "grpo.cpu.engine.InProcessExecutor"
+
+
+def bind_cores(text: Optional[str]) -> Optional[list[int]]:
+    """The cores a bind value names ('0-1', '2,3'), or None for vLLM's other forms ('auto', 'nobind',
+    several ranks joined by '|'): those are left to the platform as they are."""
+    if not text or not all(part.replace("-", "").isdigit() for part in text.split(",")):
+        return None
+    return parse_cpu_list(text)
+
+
+def restrict_process(cores: list[int]) -> None:
+    """Every thread of this process (those already started: the engine's socket threads) and all it
+    starts later (the OpenMP team) run on `cores`, with one OpenMP thread per core."""
+    import torch
+
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            pass
+    torch.set_num_threads(len(cores))  # before the CPU worker makes set_num_threads a no-op
+
+
+class InProcessExecutor(UniProcExecutor):
+    def _init_executor(self) -> None:
+        cores = bind_cores(os.environ.get(BIND_ENV)) if current_platform.is_cpu() else None
+        if cores:
+            restrict_process(cores)
+        super()._init_executor()
+

@@ -1,0 +1,150 @@
+"""What the engine serves now, and the one place that changes it: a checked directory is loaded
+under the write side of the version gate, its hashes and finiteness checked in a thread meanwhile,
+and on any failure the previous weights are reloaded before the gate opens again, so no request
+ever sees rejected weights. After a load the engine's fingerprint (grpo/serving/fingerprint.py)
+goes back to the trainer."""
+import asyncio
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from grpo.cpu.serving import EngineControl
+from grpo.models import LM_HEAD_KEY, ties_word_embeddings
+from grpo.serving.gate import VersionGate
+from grpo.serving.weights_check import check_finite, check_hashes
+from grpo.serving.weights_dir import SERVING_MARKER, ST_DTYPES, ST_ITEMSIZE, WeightPushError, read_safetensors_header
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def _expected_tensors(model_dir: Path) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) from the served model's safetensors headers (empty if it has none)."""
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        for name, info in read_safetensors_header(f).items():
+            out[name] = (info["dtype"], list(info["shape"]))
+    return out
+
+
+def serving_dtype_name(dtype) -> str:
+    """The safetensors name ("F32", "BF16", ...) of the torch dtype the engine serves."""
+    return ST_DTYPES.get(dtype, "")
+
+
+class WeightsState:
+    """What the engine serves now, and the one place that changes it."""
+
+    def __init__(self, engine, model_dir: Path, weights_root: Path, keep_last: int, dtype: str = "",
+                 control: Optional[EngineControl] = None) -> None:
+        self.engine = engine
+        self.control = control or EngineControl(engine)  # a CPU engine's threads (grpo/cpu/serving.py)
+        self.dtype = dtype  # safetensors name of the dtype the engine serves ("F32", "BF16"): pushes must match
+        self.model_dir = model_dir
+        self.root = weights_root
+        self.keep_last = keep_last
+        self.gate = VersionGate()
+        self.version, self.step, self.serving_dir = 0, 0, model_dir
+        self.broken: Optional[str] = None  # set if a rollback failed; health then says 503
+        self.served_digest: Optional[str] = None  # lets a retried upload of the served version succeed
+        self.expected = _expected_tensors(model_dir)
+        # A tied lm_head may be pushed or not (vLLM rebuilds it from the embedding).
+        tied = ties_word_embeddings(json.loads((model_dir / "config.json").read_text()))
+        self.optional = {LM_HEAD_KEY} if tied else set()
+
+    def max_upload_bytes(self) -> Optional[int]:
+        """A bound on an upload's size: the served tensors at the serving dtype plus header room."""
+        if not self.expected or self.dtype not in ST_ITEMSIZE:
+            return None
+        numel = sum(math.prod(shape) for _, shape in self.expected.values())
+        return numel * ST_ITEMSIZE[self.dtype] + (1 << 20) + 512 * len(self.expected)
+
+    def check_tensors(self, manifest: dict[str, Any]) -> None:
+        """Pushed tensors must be exactly the served model's (names, shapes) in the served dtype: no
+        partial, foreign or silently converted push."""
+        if not self.expected:
+            return
+        pushed = {}
+        for entry in manifest["files"]:
+            if not entry["name"].endswith(".safetensors"):
+                continue
+            for name, info in read_safetensors_header(Path(manifest["path"]) / entry["name"]).items():
+                if self.dtype and info["dtype"] != self.dtype:
+                    raise WeightPushError(f"tensor {name}: dtype {info['dtype']}, the server serves {self.dtype} "
+                                          f"(cast on the trainer; the server does not convert)")
+                pushed[name] = list(info["shape"])
+        missing = sorted(set(self.expected) - set(pushed) - self.optional)
+        unknown = sorted(set(pushed) - set(self.expected) - self.optional)
+        if missing or unknown:
+            raise WeightPushError(f"tensor names differ from the served model: missing {missing[:3]}, unknown {unknown[:3]}")
+        for name, shape in pushed.items():
+            if name in self.expected and self.expected[name][1] != shape:
+                raise WeightPushError(f"tensor {name}: shape {shape}, the served model has {self.expected[name][1]}")
+
+    async def _reload(self, path: Path) -> None:
+        await self.control.for_reload()
+        await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+
+    async def load(self, manifest: dict[str, Any], hashes_checked: bool) -> dict[str, Any]:
+        """Load a checked directory; on any failure restore the previous weights and raise."""
+        path, version = Path(manifest["path"]), manifest["version"]
+        async with self.gate.writing():
+            if version == self.version and path == self.serving_dir:
+                return {"version": version, "seconds": 0.0, "bytes": 0, "unchanged": True}
+            if version <= self.version:
+                raise WeightPushError(f"version {version} is not newer than the served version {self.version}")
+            t0 = time.perf_counter()
+            loop = asyncio.get_running_loop()
+            # Hash and finiteness are checked in a thread while the engine process loads: they overlap,
+            # and a failure rolls the engine back below.
+            def verify() -> None:
+                if not hashes_checked:
+                    check_hashes(manifest)
+                check_finite(manifest)
+
+            hash_job = loop.run_in_executor(None, _timed, verify)
+            load_error: Optional[BaseException] = None
+            try:
+                await self._reload(path)
+            except Exception as e:  # the engine reports its own errors; keep them for the message
+                load_error = e
+            reload_seconds = time.perf_counter() - t0
+            hash_seconds = 0.0
+            hash_error: Optional[BaseException] = None
+            if hash_job is not None:
+                try:
+                    hash_seconds = await hash_job
+                except Exception as e:  # a mismatch, or the file vanished or became unreadable
+                    hash_error = e if isinstance(e, WeightPushError) else WeightPushError(
+                        f"{path}: could not hash: {type(e).__name__}: {e}")
+            if load_error or hash_error:
+                reason = str(hash_error or f"engine failed to load it: {load_error}")
+                try:
+                    await self._reload(self.serving_dir)
+                    await self.engine.reset_prefix_cache()
+                except Exception as e:
+                    self.broken = f"restoring version {self.version} failed after a rejected push: {e}"
+                    raise WeightPushError(f"{reason}; {self.broken}") from None
+                raise WeightPushError(f"{reason}; still serving version {self.version}")
+            # KV blocks cached under the old weights would be reused for equal prefixes otherwise.
+            await self.engine.reset_prefix_cache()
+            seconds = time.perf_counter() - t0
+            self.version, self.step, self.serving_dir = version, manifest.get("step", 0), path
+            self.served_digest = manifest["files"][0][manifest["hash"]]
+            self.broken = None  # a good push repairs a failed rollback
+            if path.parent == Path(os.path.realpath(self.root)):
+                (self.root / SERVING_MARKER).write_text(path.name + "\n")
+            # What the engine holds now, from its own parameters: the trainer checks it against
+            # what it pushed (a load that silently skipped or altered a tensor is caught there).
+            t1 = time.perf_counter()
+            fingerprint = (await self.engine.collective_rpc("grpo_weights_fingerprint"))[0]
+            fingerprint_seconds = time.perf_counter() - t1
+        return {"version": version, "seconds": seconds, "bytes": sum(f["bytes"] for f in manifest["files"]),
+                "reload_seconds": reload_seconds, "hash_seconds": hash_seconds, "fingerprint": fingerprint,
+                "fingerprint_seconds": fingerprint_seconds}

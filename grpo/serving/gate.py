@@ -1,0 +1,100 @@
+"""HTTP plumbing of the server: the bearer-token check, and the gate that keeps every completion
+on one weights version (a push waits for in-flight requests and holds new ones back)."""
+import asyncio
+import contextlib
+import hashlib
+import secrets
+
+OPEN_PATHS = frozenset({"/health", "/grpo/health", "/grpo/weights_version"})
+
+
+class VersionGate:
+    """Readers (requests) share; a writer (a push) waits for them and holds new ones back."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def reading(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writer and not self._writers_waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def writing(self):
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writer and self._readers == 0)
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class BearerAuth:
+    """ASGI middleware: everything but OPEN_PATHS needs the run's token (constant-time check)."""
+
+    def __init__(self, app, token: str) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(token.encode()).digest()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket") and not (
+            scope["path"] in OPEN_PATHS and scope.get("method", "GET") in ("GET", "HEAD")
+        ):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
+            ok = scheme.lower() == "bearer" and secrets.compare_digest(
+                hashlib.sha256(given.encode()).digest(), self._digest)
+            if not ok:
+                from starlette.responses import JSONResponse
+
+                resp = JSONResponse({"error": "missing or wrong bearer token"}, status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class GateRequests:
+    """ASGI middleware: vLLM's own routes (/v1/...) hold the read side of the gate while they run."""
+
+    def __init__(self, app, gate: VersionGate) -> None:
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"].startswith("/grpo/") or scope["path"] in ("/health", "/metrics"):
+            return await self.app(scope, receive, send)
+        async with self.gate.reading():
+            return await self.app(scope, receive, send)
+
+
+class Guarded:
+    """vLLM's app behind our middlewares, as the outermost ASGI layer.
+
+    vLLM has built the app's middleware stack by the time we get it (add_middleware refuses),
+    so the checks wrap the whole app instead; attribute access goes to the app for serve_http.
+    """
+
+    def __init__(self, app, asgi) -> None:
+        self._app, self._asgi = app, asgi
+
+    async def __call__(self, scope, receive, send):
+        await self._asgi(scope, receive, send)
+
+    def __getattr__(self, name):
+        return getattr(self._app, name)

@@ -1,0 +1,281 @@
+"""The server's own routes, beside vLLM's OpenAI app:
+
+  GET  /grpo/health          open; 200 {"ok", "weights_version", "sampler"} or 503 with the reason
+  GET  /grpo/weights_version open; {"weights_version", "step", "dir"}
+  POST /grpo/generate        B prompts (token ids) x n samples -> token ids, log-probs, finish reasons
+  POST /grpo/weights         {"path", "version"}: load a directory written by the trainer's writer
+  POST /grpo/weights/upload  ?version=&step=&hash=&digest=, body = the safetensors bytes (no shared fs)
+
+Each route is one method of `Routes`; what they share is the engine's weights state
+(grpo/serving/engine_weights.py).
+"""
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from grpo.fsutil import HashError, new_hasher
+from grpo.serving.engine_weights import WeightsState
+from grpo.serving.weights_check import check_weights_dir
+from grpo.serving.weights_dir import (MANIFEST_FORMAT, MANIFEST_NAME, WEIGHTS_FILE, WeightPushError, prune_weights,
+                                      weights_dir_name)
+
+
+class GenerateRequest(BaseModel):
+    prompt_token_ids: list[list[int]] = Field(min_length=1)
+    n: int = Field(1, ge=1, le=1024)
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    stop_token_ids: Optional[list[int]] = None
+    seed: Optional[int] = None  # reseed the sampler and run this batch alone: reproducible samples
+    threads: Optional[int] = Field(None, ge=1)  # a CPU engine's threads for this batch (None: all bound cores)
+
+
+class PushRequest(BaseModel):
+    path: str
+    version: int = Field(ge=0)
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def push_error(e: WeightPushError) -> JSONResponse:
+    """A refused push: 409 when it is not newer than what is served, 400 otherwise."""
+    return error(409 if "not newer" in str(e) else 400, str(e))
+
+
+def to_samples(final) -> list[dict]:
+    """One request's finished output as the samples the trainer reads."""
+    samples = []
+    for c in sorted(final.outputs, key=lambda c: c.index):
+        lp = c.logprobs  # FlatLogprobs; with logprobs=0 each position holds the sampled token only
+        logprobs = [lp.logprobs[lp.start_indices[t]] for t in range(len(c.token_ids))]
+        samples.append({"token_ids": list(c.token_ids), "logprobs": logprobs,
+                        "finish_reason": c.finish_reason, "text": c.text})
+    return samples
+
+
+async def drain(queue):
+    """The final output of a request added with engine.add_request."""
+    from vllm.outputs import STREAM_FINISHED
+
+    final = None
+    while True:
+        out = queue.get_nowait() or await queue.get()
+        if out is not STREAM_FINISHED:
+            final = out
+        if out.finished:
+            return final
+
+
+class UploadTimeout(Exception):
+    def __init__(self, received: int):
+        super().__init__(received)
+        self.received = received
+
+
+class Routes:
+    def __init__(self, state: WeightsState, vocab_size: int, max_model_len: int, upload_timeout_s: float = 600.0):
+        self.state = state
+        self.engine = state.engine
+        self.control = state.control  # a CPU engine's threads and sampler (grpo/cpu/serving.py)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.upload_timeout_s = upload_timeout_s
+        self.seeded_lock = asyncio.Lock()  # one seeded batch at a time: reseeding is engine-global
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.add_api_route("/grpo/health", self.health, methods=["GET"])
+        router.add_api_route("/grpo/weights_version", self.weights_version, methods=["GET"])
+        router.add_api_route("/grpo/generate", self.generate, methods=["POST"])
+        router.add_api_route("/grpo/weights", self.push_path, methods=["POST"])
+        router.add_api_route("/grpo/weights/upload", self.push_bytes, methods=["POST"])
+        return router
+
+    async def health(self):
+        if self.state.broken:
+            return error(503, self.state.broken)
+        if self.engine.errored:
+            return error(503, "the vLLM engine is dead")
+        return {"ok": True, "weights_version": self.state.version, "sampler": self.control.sampler}
+
+    async def weights_version(self):
+        return {"weights_version": self.state.version, "step": self.state.step, "dir": self.state.serving_dir.name}
+
+    # -- generation
+    def refuse_prompts(self, req: GenerateRequest) -> Optional[str]:
+        """Why the server cannot take these prompts (None: it can)."""
+        for i, ids in enumerate(req.prompt_token_ids):
+            if not ids:
+                return f"prompt_token_ids[{i}] is empty"
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                return f"prompt_token_ids[{i}] has token id {bad[0]} outside [0, {self.vocab_size})"
+            if len(ids) + req.max_tokens > self.max_model_len:
+                return (f"prompt_token_ids[{i}]: {len(ids)} prompt + {req.max_tokens} new tokens "
+                        f"exceed max_model_len {self.max_model_len}")
+        return None
+
+    async def generate(self, req: GenerateRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        refused = self.refuse_prompts(req)
+        if refused:
+            return error(400, refused)
+        try:
+            params = SamplingParams(
+                n=req.n, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                top_k=req.top_k, stop_token_ids=req.stop_token_ids or None, logprobs=0, flat_logprobs=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+        except ValueError as e:  # e.g. n > 1 with temperature 0
+            return error(400, str(e))
+        async with self.state.gate.reading():
+            version = self.state.version  # fixed while we read: a push waits for us
+            try:
+                if req.seed is not None:
+                    completions = await self.seeded_batch(req, params)
+                else:
+                    completions = await self.batch(req, params)
+            except ValueError as e:
+                return error(400, str(e))
+            except Exception as e:
+                if self.engine.errored:
+                    return error(503, f"the vLLM engine died: {type(e).__name__}: {e}")
+                raise
+        return {"completions": completions, "weights_version": version, "engine": self.control.batch_figures()}
+
+    async def batch(self, req: GenerateRequest, params) -> list[list[dict]]:
+        """The prompts as independent requests, interleaved with any others."""
+        await self.control.use(req.threads)
+        base = uuid.uuid4().hex
+
+        async def one(i: int, ids: list[int]):
+            final = None
+            async for out in self.engine.generate({"prompt_token_ids": ids}, params, f"grpo-{base}-{i}"):
+                final = out
+            return to_samples(final)
+
+        return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(req.prompt_token_ids)))
+
+    async def seeded_batch(self, req: GenerateRequest, params) -> list[list[dict]]:
+        """The whole batch scheduled at once after a reseed, so its samples depend only on
+        (weights, prompts, seed): pause the scheduler (in-flight requests finish), reseed the
+        workers, queue every request, resume."""
+        base = uuid.uuid4().hex
+        async with self.seeded_lock:
+            await self.engine.pause_generation(mode="wait", clear_cache=False)
+            try:
+                await self.control.use(req.threads)
+                await self.engine.collective_rpc("grpo_reseed", args=(req.seed,))
+                queues = [await self.engine.add_request(f"grpo-{base}-{i}", {"prompt_token_ids": ids}, params)
+                          for i, ids in enumerate(req.prompt_token_ids)]
+            finally:
+                await self.engine.resume_generation()
+            finals = await asyncio.gather(*(drain(q) for q in queues))
+        return [to_samples(final) for final in finals]
+
+    # -- weight pushes
+    async def push_path(self, req: PushRequest):
+        try:
+            manifest = check_weights_dir(req.path, self.state.root)
+            if manifest["version"] != req.version:
+                raise WeightPushError(f"{req.path}: manifest says version {manifest['version']}, push says {req.version}")
+            self.state.check_tensors(manifest)
+            return await self.state.load(manifest, hashes_checked=False)
+        except WeightPushError as e:
+            return push_error(e)
+
+    async def push_bytes(self, request: Request, version: int, digest: str, step: int = 0, hash: str = "sha256"):
+        """The safetensors file in the body; written under the root (hashed as it arrives), then loaded."""
+        state = self.state
+        try:
+            hasher = new_hasher(hash)
+        except HashError as e:
+            return error(400, str(e))
+        length = request.headers.get("content-length")
+        if length is None or not length.isdigit():
+            return error(411, "Content-Length is required")
+        bound = state.max_upload_bytes()
+        if bound is not None and int(length) > bound:
+            return error(413, f"upload of {length} bytes is larger than the served model can be ({bound} bytes)")
+        final = state.root / weights_dir_name(version)
+        if version == state.version and state.serving_dir == final and state.served_digest == digest:
+            return {"version": version, "seconds": 0.0, "bytes": 0, "unchanged": True}  # a retried push
+        if version <= state.version:
+            return error(409, f"version {version} is not newer than the served version {state.version}")
+        if final.exists():
+            return error(409, f"{final} exists already (another upload of version {version}?)")
+        # Per-request names: a failing request removes only what it created itself.
+        tmp = state.root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir(mode=0o700, parents=True)
+        renamed = False
+        try:
+            try:
+                received = await self.receive(request, tmp / WEIGHTS_FILE, int(length), hasher)
+            except UploadTimeout as late:
+                return error(408, f"upload of version {version} did not arrive within {self.upload_timeout_s:g} s "
+                                  f"({late.received} of {length} bytes)")
+            if hasher.hexdigest() != digest:
+                raise WeightPushError(f"{hash} mismatch: the upload hashes to {hasher.hexdigest()[:16]}..., "
+                                      f"the client sent {digest[:16]}...")
+            self.complete_upload(tmp, version, step, hash, digest, received)
+            try:
+                os.rename(tmp, final)  # atomic; fails if a concurrent upload of this version got there first
+            except OSError:
+                return error(409, f"{final} exists already (a concurrent upload of version {version})")
+            renamed = True
+            manifest = check_weights_dir(final, state.root)
+            state.check_tensors(manifest)
+            result = await state.load(manifest, hashes_checked=True)
+            prune_weights(state.root, state.keep_last)  # this server owns uploaded directories
+            return result
+        except WeightPushError as e:
+            if renamed and state.serving_dir != final:
+                shutil.rmtree(final, ignore_errors=True)
+            return push_error(e)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    async def receive(self, request: Request, path: Path, length: int, hasher) -> int:
+        """The request's body into `path`, hashed as it arrives; its byte count. UploadTimeout when it
+        did not arrive within the upload time-out; a body longer or shorter than `length` is refused."""
+        received = 0
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            async with asyncio.timeout(self.upload_timeout_s):
+                async for chunk in request.stream():
+                    hasher.update(chunk)
+                    os.write(fd, chunk)
+                    received += len(chunk)
+                    if received > length:
+                        raise WeightPushError(f"upload is longer than its Content-Length ({length} bytes)")
+        except TimeoutError:
+            raise UploadTimeout(received) from None
+        finally:
+            os.close(fd)
+        if received != length:
+            raise WeightPushError(f"upload truncated: received {received} of {length} bytes")
+        return received
+
+    def complete_upload(self, tmp: Path, version: int, step: int, hash: str, digest: str, received: int) -> None:
+        """The served model's config files and a manifest beside an uploaded weights file."""
+        for name in ("config.json", "generation_config.json"):
+            if (self.state.model_dir / name).is_file():
+                shutil.copyfile(self.state.model_dir / name, tmp / name)
+        manifest = {"format": MANIFEST_FORMAT, "version": version, "step": step, "hash": hash,
+                    "files": [{"name": WEIGHTS_FILE, "bytes": received, hash: digest}]}
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest) + "\n")

@@ -1,0 +1,211 @@
+"""The inference server: a real vLLM engine serving alpha, with weight pushes from the trainer.
+
+    python -m grpo.serving.server --model DIR --weights-root DIR --token-file FILE [--port 0 --port-file F]
+
+It is vLLM's own OpenAI app (so /v1/completions, /v1/models, ... behave exactly as in `vllm
+serve`, for standard clients and evaluation tools), with our routes (grpo/serving/routes.py) and
+two middlewares (grpo/serving/gate.py) added.
+
+Log-probs: the engine runs with logprobs_mode="processed_logprobs", so each sampled token's
+log-prob is taken from the distribution it was actually sampled from (logits / temperature,
+then top-k/top-p renormalised): log alpha(o_t | q, o_<t) of the objective. With temperature 0
+(greedy) it is the plain log-softmax of the logits.
+
+Security: binds 127.0.0.1 unless told otherwise; every route except the two open GETs and
+vLLM's /health needs `Authorization: Bearer <token>` (the token comes from a 0600 file or the
+GRPO_SERVER_TOKEN variable, is removed from the environment before the engine starts and is
+never logged); vLLM's development routes are never registered (VLLM_SERVER_DEV_MODE is unset);
+weights load only from directories under --weights-root that pass grpo/serving/weights_check.py.
+
+Consistency: a push takes a write lock that waits for in-flight requests and holds new ones
+back (they wait, they do not fail), so every completion comes from one weights_version
+(grpo/serving/engine_weights.py).
+
+No orphans: every process vLLM starts for its engine (the engine core, tensor-parallel workers),
+by fork or by spawn, whichever executor vLLM picks, dies with this server (`engine_processes_die_with_server`).
+"""
+import argparse
+import multiprocessing
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Optional
+
+from grpo.serving.supervisor import SERVER_PID_ENV, die_with_parent
+
+TOKEN_ENV = "GRPO_SERVER_TOKEN"
+
+
+def engine_processes_die_with_server() -> None:
+    """Tie every process this server's engine starts to this server, whatever executor vLLM picks.
+
+    vLLM starts its engine core (and, with tensor parallelism, one worker per GPU) with
+    multiprocessing, by fork or by spawn. A forked child runs the at-fork hook registered here (and
+    inherits it, for its own children); a spawned child imports the server's main module (this
+    one, as __mp_main__), where `_in_engine_process` below runs. Either way the child dies with its
+    direct parent (PR_SET_PDEATHSIG plus a watchdog): the engine core with the server, a
+    tensor-parallel worker with the engine core."""
+    os.environ[SERVER_PID_ENV] = str(os.getpid())
+    os.register_at_fork(after_in_child=lambda: die_with_parent(os.getppid()))
+
+
+def _in_engine_process() -> None:
+    """Run at import: in a process spawned for this server's engine, tie it to its parent."""
+    pid = os.environ.get(SERVER_PID_ENV)
+    if pid and int(pid) != os.getpid() and multiprocessing.parent_process() is not None:
+        die_with_parent(os.getppid())
+
+
+_in_engine_process()
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m grpo.serving.server", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory served at version 0")
+    p.add_argument("--weights-root", required=True, help="pushed weights load only from under here")
+    p.add_argument("--token-file", help=f"file (mode 0600) holding the bearer token; else ${TOKEN_ENV}")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = any free port (written to --port-file)")
+    p.add_argument("--port-file", help="the bound port is written here once the socket is bound")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds kill the CPU engine)")
+    p.add_argument("--served-model-name", help="name for /v1 clients (default: the model path)")
+    p.add_argument("--keep-last", type=int, default=2, help="uploaded weight dirs kept (bytes mode)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--parent-pid", type=int, help="exit when this process (the trainer) is gone")
+    p.add_argument("--upload-timeout-s", type=float, default=600.0, help="an upload's body must arrive within this")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs of one tensor-parallel engine")
+    p.add_argument("--cpu-sampler", choices=["inverse_cdf", "vllm"], default="inverse_cdf",
+                   help="CPU engine: draw tokens by inverse CDF (grpo/cpu/sampler.py) or with vLLM's Gumbel sampler")
+    p.add_argument("--cpu-executor", choices=["in_process", "vllm"], default="in_process",
+                   help="CPU engine: the model in the engine-core process (grpo/cpu/engine.py) or vLLM's choice")
+    return p.parse_args(argv)
+
+
+def read_token(token_file: Optional[str]) -> str:
+    """The bearer token, from a private file or the environment (then removed from it)."""
+    if token_file:
+        st = os.stat(token_file)
+        if st.st_mode & 0o077 or st.st_uid != os.getuid():
+            raise SystemExit(f"--token-file {token_file}: must be owned by you with mode 0600, "
+                             f"has mode {oct(stat.S_IMODE(st.st_mode))}")
+        token = Path(token_file).read_text().strip()
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    os.environ.pop(TOKEN_ENV, None)  # the engine's child processes need not see it
+    if len(token) < 16:
+        raise SystemExit(f"no usable token: give --token-file or ${TOKEN_ENV} (at least 16 characters)")
+    return token
+
+
+def vllm_args(ns: argparse.Namespace, port: int, on_cpu: bool) -> argparse.Namespace:
+    """vLLM's own serve arguments for this server. On GPU vLLM chooses its executor (one GPU: the
+    model in the engine core; tensor parallelism: a worker process per GPU); on CPU the fence's
+    in-process executor (grpo/cpu/engine.py) unless --cpu-executor vllm."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = ["--model", ns.model, "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
+            "--seed", str(ns.seed), "--gpu-memory-utilization", str(ns.gpu_memory_utilization),
+            "--tensor-parallel-size", str(ns.tensor_parallel_size),
+            "--logprobs-mode", "processed_logprobs", "--host", ns.host, "--port", str(port),
+            "--worker-extension-cls", "grpo.serving.worker_ext.GRPOWorkerExtension",
+            "--disable-uvicorn-access-log"]
+    if ns.served_model_name:
+        argv += ["--served-model-name", ns.served_model_name]
+    if ns.trust_remote_code:
+        argv += ["--trust-remote-code"]
+    if ns.enforce_eager:
+        argv += ["--enforce-eager"]
+    argv += engine_executor_args(on_cpu, ns.cpu_executor)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    validate_parsed_serve_args(args)
+    return args
+
+
+def engine_executor_args(on_cpu: bool, cpu_executor: str = "in_process") -> list[str]:
+    """The executor vLLM is told to use: none on GPU (vLLM chooses), the in-process one on CPU."""
+    if on_cpu and cpu_executor == "in_process":
+        from grpo.cpu.engine import EXECUTOR
+
+        return ["--distributed-executor-backend", EXECUTOR]
+    return []
+
+
+async def serve(ns: argparse.Namespace, token: str) -> None:
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.launcher import create_server_socket, serve_http
+    from vllm.platforms import current_platform
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    from grpo.cpu.serving import EngineControl
+    from grpo.serving.engine_weights import WeightsState, serving_dtype_name
+    from grpo.serving.gate import BearerAuth, GateRequests, Guarded
+    from grpo.serving.routes import Routes
+
+    # Bind first: the port is known (and reserved) before the minute-long engine start-up.
+    sock = create_server_socket((ns.host, ns.port), reuse_port=False)
+    port = sock.getsockname()[1]
+    if ns.port_file:
+        tmp = ns.port_file + ".tmp"
+        Path(tmp).write_text(f"{port}\n")
+        os.replace(tmp, ns.port_file)
+    on_cpu = current_platform.is_cpu()
+    args = vllm_args(ns, port, on_cpu)
+    root = Path(ns.weights_root)  # checked by main()
+    async with build_async_engine_client(args) as engine:
+        tasks = await engine.get_supported_tasks()
+        app = build_app(args, tasks, engine.model_config)
+        await init_app_state(engine, app.state, args, tasks)
+        # Start-up objects out of the collector's reach, in the workers and here (vLLM freezes only its
+        # engine-core process): a full collection would scan them all, mid-push and mid-batch.
+        heap = (await engine.collective_rpc("grpo_freeze_heap"))[0]
+        freeze_gc_heap()
+        print(f"[grpo.server] engine worker heap frozen ({heap['frozen']} objects): a full garbage collection "
+              f"took {heap['full_collection_s']:.3f} s, now {heap['full_collection_frozen_s']:.3f} s", flush=True)
+        control = await EngineControl.start(engine, on_cpu, ns.cpu_sampler)  # the CPU fence's hook (GPU: nothing)
+        print(f"[grpo.server] sampler: {control.sampler}", flush=True)
+        state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last,
+                             dtype=serving_dtype_name(engine.model_config.dtype), control=control)
+        routes = Routes(state, engine.model_config.get_vocab_size(), engine.model_config.max_model_len,
+                        ns.upload_timeout_s)
+        app.include_router(routes.router())
+        guarded = Guarded(app, BearerAuth(GateRequests(app, state.gate), token))
+        print(f"[grpo.server] serving {ns.model} on http://{ns.host}:{port} (weights root {root})", flush=True)
+        shutdown = await serve_http(guarded, sock=sock, host=ns.host, port=port, log_level="warning",
+                                    access_log=False, timeout_keep_alive=5)
+    try:
+        await shutdown
+    finally:
+        sock.close()
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ns = parse_args(argv)
+    token = read_token(ns.token_file)
+    os.environ.pop("VLLM_SERVER_DEV_MODE", None)  # never expose /collective_rpc, /sleep, ...
+    os.environ.pop("VLLM_API_KEY", None)
+    from grpo.serving.weights_check import check_weights_root
+    from grpo.serving.weights_dir import WeightPushError
+
+    die_with_parent(ns.parent_pid)
+    engine_processes_die_with_server()
+
+    try:  # before the engine starts: a root someone else could write to is refused in one line
+        check_weights_root(ns.weights_root)
+    except WeightPushError as e:
+        print(f"[grpo.server] {e}", file=sys.stderr)
+        sys.exit(2)
+    import uvloop
+
+    uvloop.run(serve(ns, token))
+
+
+if __name__ == "__main__":
+    main()
