@@ -149,7 +149,8 @@ def run(cfg: EvalRunConfig) -> dict:
         try:
             layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.url is not None,
                                  rank=0, local_rank=0, local_world_size=0, node_rank=0,
-                                 memory_fraction=cfg.server.gpu_memory_utilization)
+                                 memory_fraction=cfg.server.gpu_memory_utilization,
+                                 server_gpus=cfg.server.tensor_parallel_size)
         except LayoutError as e:
             raise EvalError(str(e)) from None
         try:

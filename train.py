@@ -32,7 +32,7 @@ import torch
 from grpo import metrics
 from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_batches, group_row_length,
                            group_rows, plan_micro_batches)
-from grpo.checkpoint import Checkpointer, export_hf
+from grpo.checkpoint import CheckpointError, Checkpointer, check_shared_directory, export_hf
 from grpo.config import ConfigError, load_config, save_config, to_dict
 from grpo.cpu import tune_trainer
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
@@ -127,6 +127,7 @@ class Run:
     logger: MetricsLogger
     stop: StopFlag
     serve_dtype: torch.dtype  # what pushes and the final export are cast to (the server's dtype)
+    shares_gpu_with_server: bool = False  # one GPU for this trainer and the server (grpo.layout)
     server: Optional[InferenceServer] = None
     scorer: Optional[RewardScorer] = None
     sampler: Optional[PromptSampler] = None
@@ -151,11 +152,14 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     env = launch_env()
     layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.url is not None,
                          rank=env.rank, local_rank=env.local_rank, local_world_size=env.local_world_size,
-                         node_rank=env.node_rank, memory_fraction=cfg.server.gpu_memory_utilization)
+                         node_rank=env.node_rank, memory_fraction=cfg.server.gpu_memory_utilization,
+                         server_gpus=cfg.server.tensor_parallel_size)
     info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s)
     if cfg.grpo.batch_prompts % info.world_size:
+        fits = [n for n in range(1, cfg.grpo.batch_prompts + 1) if cfg.grpo.batch_prompts % n == 0]
         raise ConfigError(f"grpo.batch_prompts: {cfg.grpo.batch_prompts} prompts do not split over "
-                          f"{info.world_size} ranks")
+                          f"{info.world_size} ranks (rank counts that divide it: {fits}); change the ranks or "
+                          f"grpo.batch_prompts")
     torch.manual_seed(cfg.seed + info.rank)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     sampler = eval_problems = None
@@ -168,14 +172,20 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir)
+    try:  # several nodes: every rank writes into the checkpoint directory rank 0 creates
+        check_shared_directory(checkpointer.dir)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     policy = build_policy(cfg, info.device, trainable=True)
     ref_policy = build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
     optimizer = build_optimizer(policy, cfg.optim)
     run = Run(cfg, info, run_dir, tokenizer, policy, ref_policy,
               optimizer, build_scheduler(optimizer, cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, cfg.optim),
-              Checkpointer(cfg.checkpoint, run_dir), MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
+              checkpointer, MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               StopFlag(), serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu), sampler=sampler,
-              eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)))
+              eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
+              shares_gpu_with_server=layout.shares_gpu)
     progress = Progress()
     if resume:
         latest = run.checkpointer.latest()
@@ -249,6 +259,9 @@ def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
     Collective (every rank gathers its shards). Returns the new progress and {bytes, seconds}."""
     t0 = time.time()
     full_state = gather_full_state_dict(run.policy.lm, dtype=run.serve_dtype)  # {} on ranks > 0
+    if run.shares_gpu_with_server:
+        # vLLM's layer-wise reload allocates on the GPU this trainer shares: hand back cached blocks
+        torch.cuda.empty_cache()
     version = progress.weights_version + 1
     pushed = run.server.push(full_state, version, step=progress.step) if run.dist.is_main else None
     pushed = broadcast_json(pushed and {"bytes": float(pushed["bytes"]), "weights_dir": str(pushed["weights_dir"])})

@@ -107,6 +107,34 @@ def _all_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def check_shared_directory(path: str | os.PathLike, key: str = "checkpoint.dir") -> None:
+    """Every rank sees the directory rank 0 created (collective): rank 0 leaves a file with a fresh
+    name in it and every rank looks for it. Without a shared filesystem a multi-node run would
+    write each node's checkpoint files into a directory of its own, and rank 0 would wait for the
+    others in a barrier for hours; here every rank stops at start-up with one line instead."""
+    import secrets
+
+    path = Path(path)
+    name = None
+    if _rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        name = f".shared-{secrets.token_hex(8)}"
+        (path / name).write_text(f"{os.uname().nodename}\n")
+    from grpo.parallel import broadcast_json
+
+    name = broadcast_json(name)
+    seen = (path / name).is_file()
+    everywhere = _all_ok(seen)
+    _barrier()
+    if _rank() == 0:
+        (path / name).unlink(missing_ok=True)
+    if not everywhere:
+        where = "this rank" if not seen else "another rank"
+        raise CheckpointError(f"{key}: {path.resolve()} is not the directory rank 0 created ({where} on "
+                              f"{os.uname().nodename} does not see it): checkpoints need a filesystem shared by "
+                              f"every node")
+
+
 def _run_on_rank0(fn, what: str):
     """Run `fn` on rank 0 only; every rank raises if it failed (rank 0 with the original error)."""
     error: Optional[BaseException] = None
@@ -322,9 +350,16 @@ class Checkpointer:
 
         rng_tensors, rng_meta = _rng_state()
         rng_path = tmp / RNG_DIR / f"rank_{_rank()}.safetensors"
-        save_file(rng_tensors, str(rng_path), metadata=rng_meta)
-        fsync_file(rng_path)
-        _barrier()
+        why = None
+        try:  # every rank writes its own file: it makes its directory itself (it may not see rank 0's)
+            rng_path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(rng_tensors, str(rng_path), metadata=rng_meta)
+            fsync_file(rng_path)
+        except OSError as e:
+            why = f"{type(e).__name__}: {e}"
+        if not _all_ok(why is None):  # a failing rank must not leave the others waiting in a barrier
+            raise CheckpointError(f"checkpoint save: rank {_rank()} {why or 'waited for a rank that could not write'} "
+                                  f"its RNG state under {tmp}; checkpoint.dir must be on a filesystem every node shares")
 
         def finalize():
             for name, source in (extra_dirs or {}).items():

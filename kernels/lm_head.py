@@ -69,6 +69,34 @@ def gemm_strategy(device_type: str, dtype: torch.dtype, mixed_gemm_available: bo
     return "upcast"
 
 
+# Whether torch.addmm with out_dtype=fp32 accepts an fp32 `self` beside bf16/fp16 mats (decided by
+# the op itself on first use). Its CUDA contract changed between torch releases: some require `self`
+# in the mats' dtype ("self and mat2 must have the same dtype"), later ones allow out_dtype.
+ADDMM_ACCUMULATES_IN_OUT_DTYPE: Optional[bool] = None
+
+
+def accumulate_out_dtype(acc: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, addmm=None, mm=None) -> str:
+    """acc (fp32) += mat1 @ mat2 (bf16/fp16 operands, fp32 accumulation and output): one fused GEMM
+    that accumulates into acc where torch.addmm's out_dtype contract allows an fp32 `self`, else the
+    same sum as an out_dtype GEMM into a temporary and an add (the fp32 product is rounded once either
+    way). The contract is checked before any work, so a refusal costs nothing; the answer is kept.
+    Returns the path taken ("addmm" or "mm+add"). addmm / mm: torch's, replaceable in tests."""
+    global ADDMM_ACCUMULATES_IN_OUT_DTYPE
+    addmm = addmm or torch.addmm
+    mm = mm or torch.mm
+    if ADDMM_ACCUMULATES_IN_OUT_DTYPE is not False:
+        try:
+            addmm(acc, mat1, mat2, out_dtype=torch.float32, out=acc)
+            ADDMM_ACCUMULATES_IN_OUT_DTYPE = True
+            return "addmm"
+        except RuntimeError as e:
+            if "dtype" not in str(e) or ADDMM_ACCUMULATES_IN_OUT_DTYPE:
+                raise
+            ADDMM_ACCUMULATES_IN_OUT_DTYPE = False
+    acc.add_(mm(mat1, mat2, out_dtype=torch.float32))
+    return "mm+add"
+
+
 class _HeadGemms:
     """The three GEMMs of the chunked LM head under one strategy (operands prepared once per call)."""
 
@@ -98,10 +126,10 @@ class _HeadGemms:
             out.copy_(dlogits @ self.weight32)
 
     def accumulate_grad_weight(self, grad_weight: torch.Tensor, dlogits: torch.Tensor, hidden_c: torch.Tensor) -> None:
-        """grad_weight [V, H] fp32 += dlogits^T @ hidden_c, in place (no [V, H] temporary)."""
+        """grad_weight [V, H] fp32 += dlogits^T @ hidden_c, in place (no [V, H] temporary where the
+        GEMM can accumulate into it)."""
         if self.strategy == "out_dtype":
-            torch.addmm(grad_weight, dlogits.t().to(hidden_c.dtype), hidden_c, out_dtype=torch.float32,
-                        out=grad_weight)
+            accumulate_out_dtype(grad_weight, dlogits.t().to(hidden_c.dtype), hidden_c)
         else:
             with self.math():  # bf16_math: dlogits rounded to bf16 inside, as out_dtype's cast above
                 grad_weight.addmm_(dlogits.t(), hidden_c.to(grad_weight.dtype))

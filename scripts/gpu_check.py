@@ -82,6 +82,44 @@ def _timed(fn, device, repeats: int = 10) -> float:
 # ------------------------------------------------------------------------------------------ steps
 
 
+def step_lm_head(args) -> dict:
+    """The LM head's three GEMMs on this device against fp64, first: its CUDA weight-gradient GEMM
+    (bf16 operands accumulated into an fp32 [V, H] gradient, torch.addmm with out_dtype) had never
+    executed, and torch's contract for an fp32 accumulator changed between releases. Reports the
+    strategy, which accumulation path torch took (fused addmm, or the mm + add fallback), and the
+    relative errors; run twice so the accumulation itself is checked."""
+    import torch
+
+    from kernels import lm_head
+
+    device = _device(args.smoke)
+    n, h, v = (64, 64, 1000) if args.smoke else (2048, 896, 151936)
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(n, h, device=device, generator=g).bfloat16()
+    weight = (torch.randn(v, h, device=device, generator=g) / h ** 0.5).bfloat16()
+    dlogits = torch.randn(n, v, device=device, generator=g) * 1e-3
+    gemms = lm_head._HeadGemms(weight)
+    rounded = gemms.strategy in ("out_dtype", "bf16_math")  # the gradient GEMMs take bf16 dlogits there
+    d = (dlogits.bfloat16() if rounded else dlogits).double()
+
+    def rel(got, want):
+        return float((got.double() - want).abs().max() / want.abs().max().clamp(min=1e-30))
+
+    logits = gemms.logits(hidden)
+    grad_weight = torch.zeros(v, h, dtype=torch.float32, device=device)
+    for _ in range(2):
+        gemms.accumulate_grad_weight(grad_weight, dlogits, hidden)
+    grad_hidden = torch.empty(n, h, dtype=torch.bfloat16, device=device)
+    gemms.grad_hidden(dlogits, out=grad_hidden)
+    errors = dict(logits=rel(logits, hidden.double() @ weight.double().t()),
+                  grad_weight=rel(grad_weight, 2 * (d.t() @ hidden.double())),
+                  grad_hidden=rel(grad_hidden, d @ weight.double()))
+    tolerances = dict(logits=1e-5, grad_weight=1e-4, grad_hidden=1e-2)
+    return dict(strategy=gemms.strategy, logits_dtype=str(logits.dtype),
+                addmm_accumulates_in_fp32=lm_head.ADDMM_ACCUMULATES_IN_OUT_DTYPE, relative_error=errors,
+                ok=logits.dtype == torch.float32 and all(errors[k] <= tolerances[k] for k in errors))
+
+
 def step_environment(args) -> dict:
     import torch
     import triton
@@ -404,6 +442,7 @@ def step_shared_prompts(args) -> dict:
 
 
 STEPS = [
+    ("lm_head", step_lm_head, "the LM head's GEMMs vs fp64 (fp32 logits, the fp32 weight-gradient accumulation)"),
     ("environment", step_environment, "versions, device name, memory, nominal HBM bandwidth"),
     ("models", step_models, "random Qwen2.5-0.5B and R1-Distill-1.5B shaped models saved locally"),
     ("parity", step_parity, "every Triton path vs its torch reference at V=151936, bf16 and fp32, values + grads"),

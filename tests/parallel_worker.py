@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 tests/parallel_worker.py payload OUT_JSON
     torchrun --nproc_per_node=2 tests/parallel_worker.py timeout OUT_JSON TIMEOUT_S SLEEP_S
+    torchrun --nproc_per_node=2 tests/parallel_worker.py shared_dir OUT_JSON DIR_RANK0 DIR_RANK1
 """
 import hashlib
 import json
@@ -30,6 +31,15 @@ def main():
         top = all_reduce_max(10.0 * info.rank)
         result = {"rank": info.rank, "digest": digest, "bytes": len(json.dumps(got)), "seconds": seconds,
                   "sum_rank": sums["rank"], "sum_one": sums["one"], "max": top}
+    elif mode == "shared_dir":  # rank r sees the run directory as argv[3 + r]: two nodes without a shared fs
+        from grpo.checkpoint import CheckpointError, check_shared_directory
+
+        info = init_distributed("cpu")
+        try:
+            check_shared_directory(sys.argv[3 + info.rank])
+            result = {"rank": info.rank, "ok": True}
+        except CheckpointError as e:
+            result = {"rank": info.rank, "ok": False, "error": str(e)}
     else:
         timeout_s, sleep_s = float(sys.argv[3]), float(sys.argv[4])
         info = init_distributed("cpu", timeout_s=timeout_s)
@@ -42,7 +52,7 @@ def main():
             result = {"rank": info.rank, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
     with open(f"{out}.{info.rank}", "w") as f:
         json.dump(result, f)
-    if mode == "payload" or result["ok"]:
+    if mode in ("payload", "shared_dir") or result["ok"]:
         close_distributed()
     else:
         os._exit(0)  # a timed-out gloo group cannot be torn down cleanly

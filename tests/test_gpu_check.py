@@ -18,7 +18,9 @@ def test_dry_run_lists_every_step():
 
     for name, _, _ in gpu_check.STEPS:
         assert f"  {name} " in proc.stdout
-    assert len(gpu_check.STEPS) == 8
+    assert len(gpu_check.STEPS) == 9
+    # the LM head's CUDA weight-gradient GEMM has never executed: a GPU run learns about it first
+    assert proc.stdout.splitlines()[1].split()[0] == "lm_head"
 
 
 @pytest.mark.slow
@@ -29,8 +31,9 @@ def test_smoke_run_passes_every_step_and_writes_one_report(tmp_path):
     data = json.loads(report.read_text())
     assert proc.returncode == 0 and data["failed"] == [], json.dumps(data, indent=1)[-4000:]
     steps = data["steps"]
-    assert set(steps) == {"environment", "models", "parity", "bench_kernels", "collectives", "fsdp", "push",
-                          "shared_prompts"}
+    assert set(steps) == {"lm_head", "environment", "models", "parity", "bench_kernels", "collectives", "fsdp",
+                          "push", "shared_prompts"}
+    assert steps["lm_head"]["result"]["ok"] and steps["lm_head"]["result"]["logits_dtype"] == "torch.float32"
     assert steps["parity"]["result"]["worst_relative_error"] < 2e-2
     assert steps["collectives"]["result"]["ok"] and steps["collectives"]["result"]["backend"] == "gloo"
     fsdp = steps["fsdp"]["result"]

@@ -170,3 +170,54 @@ def test_gemm_strategy_decision_table():
     assert gemm_strategy("cpu", torch.bfloat16, mixed_gemm_available=True, cpu_bf16_math=False) == "upcast"
     assert gemm_strategy("cpu", torch.float16, cpu_bf16_math=True) == "upcast"
     assert gemm_strategy("cuda", torch.bfloat16, mixed_gemm_available=False, cpu_bf16_math=True) == "upcast"
+
+
+def test_the_weight_gradient_accumulates_in_fp32_under_either_addmm_contract(monkeypatch):
+    """CUDA's weight-gradient GEMM accumulates bf16 products into the fp32 gradient with
+    torch.addmm(..., out_dtype=fp32). Some torch releases refuse an fp32 `self` there ("self and mat2
+    must have the same dtype"): then the same sum is an out_dtype mm into a temporary plus an add,
+    decided once by the op's own answer. CPU torch has no out_dtype GEMM, so both ops are stood in
+    for by their contracts here; scripts/gpu_check.sh runs the real ones first on a GPU."""
+    import kernels.lm_head as lh
+
+    calls = []
+
+    def strict_addmm(acc, mat1, mat2, *, out_dtype, out):
+        calls.append("addmm")
+        if acc.dtype != mat2.dtype:
+            raise RuntimeError(f"self and mat2 must have the same dtype, but got {acc.dtype} and {mat2.dtype}")
+        raise AssertionError("not reached")
+
+    def relaxed_addmm(acc, mat1, mat2, *, out_dtype, out):
+        calls.append("addmm")
+        return out.add_(mat1.float() @ mat2.float())
+
+    def out_dtype_mm(mat1, mat2, *, out_dtype):
+        calls.append("mm")
+        return (mat1.double() @ mat2.double()).to(out_dtype)
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(7, 5, generator=g).bfloat16(), torch.randn(5, 3, generator=g).bfloat16()
+    start = torch.randn(7, 3, generator=g)
+    want = start.double() + a.double() @ b.double()
+
+    monkeypatch.setattr(lh, "ADDMM_ACCUMULATES_IN_OUT_DTYPE", None)
+    acc = start.clone()
+    assert lh.accumulate_out_dtype(acc, a, b, addmm=strict_addmm, mm=out_dtype_mm) == "mm+add"
+    assert lh.accumulate_out_dtype(acc, a, b, addmm=strict_addmm, mm=out_dtype_mm) == "mm+add"
+    assert calls == ["addmm", "mm", "mm"]  # refused once, then never asked again
+    torch.testing.assert_close(acc.double(), want + a.double() @ b.double(), rtol=1e-6, atol=1e-6)
+
+    monkeypatch.setattr(lh, "ADDMM_ACCUMULATES_IN_OUT_DTYPE", None)
+    calls.clear()
+    acc = start.clone()
+    assert lh.accumulate_out_dtype(acc, a, b, addmm=relaxed_addmm, mm=out_dtype_mm) == "addmm"
+    assert calls == ["addmm"] and lh.ADDMM_ACCUMULATES_IN_OUT_DTYPE is True
+    torch.testing.assert_close(acc.double(), want, rtol=1e-6, atol=1e-6)
+
+    def broken_addmm(acc, mat1, mat2, *, out_dtype, out):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(lh, "ADDMM_ACCUMULATES_IN_OUT_DTYPE", None)
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # not a contract refusal: raised as it is
+        lh.accumulate_out_dtype(start.clone(), a, b, addmm=broken_addmm, mm=out_dtype_mm)

@@ -2,6 +2,7 @@
 exercised on CPU (gloo ranks and pure functions)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,20 @@ def test_process_group_timeout_is_the_configured_one(tmp_path):
     assert json.loads((tmp_path / "long.1").read_text())["ok"]
 
 
+def test_a_run_directory_every_rank_must_see(tmp_path):
+    """Checkpoints write every rank's files into a directory rank 0 creates: without a shared
+    filesystem the other nodes' files go elsewhere and rank 0 waits for them. Checked at start-up on
+    every rank, one line naming checkpoint.dir; the same directory on both ranks passes."""
+    shared = torchrun(2, "shared_dir", tmp_path / "same", tmp_path / "run", tmp_path / "run")
+    assert shared.returncode == 0, shared.stderr[-3000:]
+    assert all(json.loads((tmp_path / f"same.{r}").read_text())["ok"] for r in (0, 1))
+    torchrun(2, "shared_dir", tmp_path / "apart", tmp_path / "node0", tmp_path / "node1")
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"apart.{r}").read_text())
+        assert not got["ok"] and got["error"].startswith("checkpoint.dir: "), got
+        assert "shared by every node" in got["error"] and "\n" not in got["error"]
+
+
 V8 = [str(i) for i in range(8)]
 
 
@@ -79,6 +94,25 @@ V8 = [str(i) for i in range(8)]
     ("eval, server.device=2", V8, dict(rank=0, local_rank=0, local_world_size=0, server_device="2"),
      ("cpu", True, "2", OWN_GPU_FRACTION, False)),
     ("CPU, rank 1", [], dict(rank=1, local_rank=1, local_world_size=2), ("cpu", False, None, None, False)),
+    # server.tensor_parallel_size: one engine over consecutive visible GPUs from server.device on
+    ("8 GPUs, TP 1", V8, dict(rank=0, local_rank=0, local_world_size=7, server_gpus=1),
+     ("cuda:1", True, "0", OWN_GPU_FRACTION, False)),
+    ("8 GPUs, TP 2, rank 0", V8, dict(rank=0, local_rank=0, local_world_size=6, server_gpus=2),
+     ("cuda:2", True, "0,1", OWN_GPU_FRACTION, False)),
+    ("8 GPUs, TP 2, rank 5", V8, dict(rank=5, local_rank=5, local_world_size=6, server_gpus=2),
+     ("cuda:7", False, None, None, False)),
+    ("8 GPUs, TP 4, rank 0", V8, dict(rank=0, local_rank=0, local_world_size=4, server_gpus=4),
+     ("cuda:4", True, "0,1,2,3", OWN_GPU_FRACTION, False)),
+    ("8 GPUs, TP 4 from GPU 4", V8, dict(rank=3, local_rank=3, local_world_size=4, server_gpus=4, server_device="4"),
+     ("cuda:3", False, None, None, False)),
+    ("8 GPUs, TP 4 from GPU 4, rank 0", V8, dict(rank=0, local_rank=0, local_world_size=4, server_gpus=4,
+                                                 server_device="4"), ("cuda:0", True, "4,5,6,7", OWN_GPU_FRACTION, False)),
+    ("CVD 2,3,5,7, TP 2", ["2", "3", "5", "7"], dict(rank=0, local_rank=0, local_world_size=2, server_gpus=2),
+     ("cuda:2", True, "2,3", OWN_GPU_FRACTION, False)),
+    ("eval, TP 2", V8, dict(rank=0, local_rank=0, local_world_size=0, server_gpus=2),
+     ("cpu", True, "0,1", OWN_GPU_FRACTION, False)),
+    ("node 1 under TP 2: every GPU trains", V8, dict(rank=6, local_rank=0, local_world_size=8, node_rank=1,
+                                                     server_gpus=2), ("cuda:0", False, None, None, False)),
 ])
 def test_device_layouts(case, visible, kw, expected):
     kw = {"server_device": "auto", "attached": False, "node_rank": 0, **kw}
@@ -96,6 +130,15 @@ def test_device_layouts(case, visible, kw, expected):
     (["0"], dict(local_world_size=2), "need 3 GPUs, 1 are visible"),
     ([], dict(local_world_size=1, server_device="0"), "server.device: '0' names a GPU, but this machine shows none"),
     (V8, dict(local_world_size=9, attached=True), r"--nproc_per_node=9: only 8 GPUs are visible"),
+    (V8, dict(local_world_size=7, server_gpus=2), r"--nproc_per_node=7 trainers plus the inference server need 9 GPUs, "
+                                                   r"8 are visible.*server.tensor_parallel_size=2\): use --nproc_per_node=6"),
+    (V8, dict(local_world_size=4, server_gpus=4, server_device="5"),
+     r"server.tensor_parallel_size: 4 GPUs from server.device=5 on need 9 visible GPUs, 8 are visible"),
+    (["0"], dict(local_world_size=1, server_gpus=2), r"server.tensor_parallel_size: 2 GPUs .* need 2 visible GPUs, 1"),
+    ([], dict(local_world_size=1, server_gpus=2), r"server.tensor_parallel_size: 2 needs GPUs, this machine shows none"),
+    (V8, dict(local_world_size=7, server_gpus=0), r"server.tensor_parallel_size: must be >= 1"),
+    # c10d rendezvous: a node with 8 trainers that happens to get rank 0 has no GPU left for the server
+    (V8, dict(local_world_size=8, node_rank=0), r"on this node, which holds rank 0"),
 ])
 def test_impossible_layouts_are_refused_naming_the_keys(visible, kw, message):
     kw = {"server_device": "auto", "attached": False, "node_rank": 0, "rank": 0, "local_rank": 0, **kw}
@@ -127,6 +170,30 @@ def test_the_layout_says_whether_the_server_runs_on_this_cpu(visible, kw, server
 def test_sample_ahead_is_on_by_default_only_where_sampling_has_its_own_hardware(visible, kw, free):
     kw = {"server_device": "auto", "attached": False, "node_rank": 0, "rank": 0, "local_rank": 0, **kw}
     assert overlap_is_free(plan_layout(visible, **kw)) is free
+
+
+SMI_TWO_H100 = "NVIDIA H100 80GB HBM3, 550.54.15\nNVIDIA H100 80GB HBM3, 550.54.15\n"
+
+
+@pytest.mark.parametrize("smi,cuda,torch_cuda,env,message", [
+    (SMI_TWO_H100, False, "13.0", {}, r"^nvidia-smi shows 2 GPU\(s\) with driver 550.54.15, but torch 2.13.0 \(CUDA 13.0\) "
+                                      r"cannot use them: .*R580 or newer"),
+    (SMI_TWO_H100, False, None, {}, r"^nvidia-smi shows 2 GPU\(s\) \(driver 550.54.15\) but torch 2.13.0 is a CPU build"),
+    (SMI_TWO_H100, True, "13.0", {}, None),  # torch sees them: nothing wrong
+    (SMI_TWO_H100, False, "13.0", {"CUDA_VISIBLE_DEVICES": ""}, None),  # hidden on purpose: a CPU run
+    (None, False, None, {}, None),  # no nvidia-smi: a CPU machine
+    ("", False, "13.0", {}, None),  # nvidia-smi lists no GPU
+])
+def test_a_driver_too_old_for_torch_stops_with_one_line(smi, cuda, torch_cuda, env, message):
+    """torch 2.13's CUDA build on an older driver reports no GPU while nvidia-smi works: without this
+    line plan_layout would pick the CPU layout and train there, beside a CUDA build of vLLM."""
+    from grpo.layout import driver_problem
+
+    got = driver_problem(smi, cuda, "2.13.0", torch_cuda, env)
+    if message is None:
+        assert got is None
+    else:
+        assert got is not None and "\n" not in got and re.match(message, got), got
 
 
 def test_bf16_compute_only_where_the_cpu_multiplies_it():

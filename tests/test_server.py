@@ -371,11 +371,14 @@ def test_child_dies_with_its_parent(tmp_path):
         pytest.fail("the child outlived its parent by 10 s")
 
 
-def test_the_engine_dies_with_a_server_killed_during_start_up(tiny, tmp_path):
+@pytest.mark.parametrize("executor,engine_processes", [("in_process", 1), ("vllm", 2)])
+def test_the_engine_dies_with_a_server_killed_during_start_up(tiny, tmp_path, executor, engine_processes):
     """`python -m grpo.serving.server` killed while its engine loads (SIGKILL: no handler of its own runs)
-    must not leave vLLM's engine-core process behind holding cores and memory: it did, and only
-    the supervisor's process-group kill caught it; a server started by hand has no supervisor.
-    The engine core now dies with its server (grpo.cpu.engine)."""
+    must not leave vLLM's engine processes behind holding cores and memory: it did, and only the
+    supervisor's process-group kill caught it; a server started by hand has no supervisor. Every
+    process vLLM starts dies with its parent (grpo.serving.server.engine_processes_die_with_server),
+    whichever executor vLLM uses: the in-process one (one engine process, as on CPU) and vLLM's own
+    multiprocess executor (an engine core and a worker process, as on GPU with tensor parallelism)."""
     token = tmp_path / "token"
     fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, b"t" * 32)
@@ -384,23 +387,24 @@ def test_the_engine_dies_with_a_server_killed_during_start_up(tiny, tmp_path):
     root.mkdir(mode=0o700)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                VLLM_CPU_KVCACHE_SPACE="1")
-    server = subprocess.Popen([sys.executable, "-m", "grpo.serving.server", "--model", str(tiny["model_dir"]), "--weights-root",
-                               str(root), "--token-file", str(token), "--dtype", "float32", "--max-model-len", "256",
-                               "--enforce-eager"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    server = subprocess.Popen([sys.executable, "-m", "grpo.serving.server", "--model", str(tiny["model_dir"]),
+                               "--weights-root", str(root), "--token-file", str(token), "--dtype", "float32",
+                               "--max-model-len", "256", "--enforce-eager", "--cpu-executor", executor],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         engine = []
-        while not engine and time.monotonic() < deadline and server.poll() is None:
+        while len(engine) < engine_processes and time.monotonic() < deadline and server.poll() is None:
             engine = [pid for pid in _group_pids(server.pid) if _name(pid).startswith("VLLM::")]
             time.sleep(0.2)
-        assert engine, "no engine process appeared"
+        assert len(engine) >= engine_processes, f"engine processes that appeared: {[_name(p) for p in engine]}"
         os.kill(server.pid, signal.SIGKILL)
         server.wait()
         deadline = time.monotonic() + 20
-        while any(_running(pid) for pid in engine) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and any(
+                _running(pid) for pid in _group_pids(server.pid) if _name(pid).startswith("VLLM::")):
             time.sleep(0.2)
-        left = [f"{pid} {_name(pid)}" for pid in engine if _running(pid)]
+        left = [f"{pid} {_name(pid)}" for pid in _group_pids(server.pid) if _running(pid) and _name(pid).startswith("VLLM::")]
         assert not left, f"the engine outlived its server by 20 s: {left}"
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -423,6 +427,24 @@ def _name(pid: int) -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def test_vllm_chooses_the_executor_on_gpu_and_a_cpu_engine_gets_the_in_process_one(tmp_path):
+    """The in-process executor is a UniProcExecutor, right for one device only: on GPU vLLM picks its
+    own (one GPU: the model in the engine core; tensor parallelism: a worker per GPU), and engine
+    processes die with the server whichever it is (test above)."""
+    from grpo.cpu.engine import EXECUTOR
+    from grpo.serving.server import engine_executor_args, parse_args, vllm_args
+
+    assert engine_executor_args(on_cpu=False) == []
+    assert engine_executor_args(on_cpu=True) == ["--distributed-executor-backend", EXECUTOR]
+    assert engine_executor_args(on_cpu=True, cpu_executor="vllm") == []
+    base = ["--model", str(tmp_path), "--weights-root", str(tmp_path / "w")]
+    gpu = vllm_args(parse_args(base + ["--tensor-parallel-size", "2"]), 8000, on_cpu=False)
+    assert gpu.distributed_executor_backend is None and gpu.tensor_parallel_size == 2
+    assert gpu.worker_extension_cls == "grpo.serving.worker_ext.GRPOWorkerExtension"
+    cpu = vllm_args(parse_args(base), 8000, on_cpu=True)
+    assert cpu.distributed_executor_backend == EXECUTOR and cpu.tensor_parallel_size == 1
 
 
 def test_config_validation():

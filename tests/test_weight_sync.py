@@ -360,3 +360,67 @@ def test_check_finite_names_the_tensor_with_nan_or_inf(tmp_path):
             check_finite(check_weights_dir(out, root))
     out = write_weights(_state_dict(), tmp_path / "model", tmp_path / "ok", 1, 1, torch.bfloat16)
     check_finite(check_weights_dir(out, tmp_path / "ok"))
+
+
+def _qwen_layer(g):
+    """One decoder layer of Qwen2.5-0.5B at full size, as the trainer holds it (fp32 masters)."""
+    shapes = {"self_attn.q_proj.weight": (896, 896), "self_attn.k_proj.weight": (128, 896),
+              "self_attn.v_proj.weight": (128, 896), "mlp.gate_proj.weight": (4864, 896),
+              "mlp.up_proj.weight": (4864, 896), "mlp.down_proj.weight": (896, 4864)}
+    layer = {f"model.layers.0.{k}": torch.randn(*v, generator=g) * 0.02 for k, v in shapes.items()}
+    layer["model.layers.0.input_layernorm.weight"] = 1.0 + torch.randn(896, generator=g) * 0.05
+    return layer
+
+
+def _engine_layout(hf: dict, tp: int) -> dict:
+    """The same bf16 values as a GPU engine holds them: q/k/v and gate/up fused, the fused weights
+    transposed, down_proj split over tp ranks by columns, the fused ones by rows, norms on every rank."""
+    p = "model.layers.0."
+    bf = {k: v.to(torch.bfloat16) for k, v in hf.items()}
+    fused = {p + "self_attn.qkv_proj.weight": torch.cat([bf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+             p + "mlp.gate_up_proj.weight": torch.cat([bf[p + "mlp.gate_proj.weight"], bf[p + "mlp.up_proj.weight"]])}
+    ranks = []
+    for r in range(tp):
+        params = {name: t.chunk(tp, dim=0)[r].t().contiguous() for name, t in fused.items()}
+        params[p + "mlp.down_proj.weight"] = bf[p + "mlp.down_proj.weight"].chunk(tp, dim=1)[r].contiguous()
+        params[p + "input_layernorm.weight"] = bf[p + "input_layernorm.weight"].clone()
+        ranks.append(params)
+    return {"packed": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]},
+            "ranks": ranks}
+
+
+def _reply(layout: dict) -> dict:
+    from grpo.serving.engine_weights import merge_rank_fingerprints
+    from grpo.serving.fingerprint import tensor_moments
+
+    per_rank = [{"params": {k: tensor_moments(v) for k, v in params.items()}, "packed": layout["packed"]}
+                for params in layout["ranks"]]
+    return merge_rank_fingerprints(per_rank)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_fingerprint_accepts_a_reordered_full_size_layer_and_catches_one_changed_element(tp):
+    """On GPU every linear weight is visible to the fingerprint, summed by the engine in its own
+    layout (fused, transposed, sharded over tensor-parallel ranks). The tolerance follows from the
+    summation (moment_tolerances): reordered sums of a full-size Qwen2.5-0.5B layer pass, and one
+    element changed by a weight's typical size is named, in a slice or in one replica of a norm."""
+    from grpo.serving.fingerprint import fingerprint_mismatches, tensor_moments
+
+    g = torch.Generator().manual_seed(9)
+    hf = _qwen_layer(g)
+    pushed = {k: tensor_moments(v, rounded_to=torch.bfloat16) for k, v in hf.items()}
+    layout = _engine_layout(hf, tp)
+    assert fingerprint_mismatches(pushed, _reply(layout)) == []
+
+    p = "model.layers.0."
+    down = layout["ranks"][-1][p + "mlp.down_proj.weight"]
+    down.view(-1)[12345] += 0.02  # one element of 4.4M, by one standard deviation of the weights
+    assert fingerprint_mismatches(pushed, _reply(layout)) == [p + "mlp.down_proj.weight"]
+    down.view(-1)[12345] -= 0.02
+    qkv = layout["ranks"][0][p + "self_attn.qkv_proj.weight"]
+    i = int(qkv.float().abs().argmax())
+    qkv.view(-1)[i] = -qkv.view(-1)[i]  # a sign flip: the sum of squares cannot see it, the sum can
+    assert fingerprint_mismatches(pushed, _reply(layout)) == [p + "self_attn.qkv_proj.weight"]
+    qkv.view(-1)[i] = -qkv.view(-1)[i]
+    layout["ranks"][-1][p + "input_layernorm.weight"][7] += 0.01  # one replica of a norm holds another value
+    assert fingerprint_mismatches(pushed, _reply(layout)) == [p + "input_layernorm.weight"]

@@ -38,6 +38,15 @@ def serving_dtype_name(dtype) -> str:
     return ST_DTYPES.get(dtype, "")
 
 
+def merge_rank_fingerprints(per_rank: list[dict]) -> dict:
+    """The fingerprint replies of every worker (one per tensor-parallel rank) as one: each parameter's
+    moments as a list over ranks (grpo/serving/fingerprint.py folds slices and replicas)."""
+    if len(per_rank) == 1:
+        return per_rank[0]
+    params = {name: [rank["params"].get(name, (0, 0.0, 0.0)) for rank in per_rank] for name in per_rank[0]["params"]}
+    return {"params": params, "packed": per_rank[0]["packed"], "ranks": len(per_rank)}
+
+
 class WeightsState:
     """What the engine serves now, and the one place that changes it."""
 
@@ -143,7 +152,7 @@ class WeightsState:
             # What the engine holds now, from its own parameters: the trainer checks it against
             # what it pushed (a load that silently skipped or altered a tensor is caught there).
             t1 = time.perf_counter()
-            fingerprint = (await self.engine.collective_rpc("grpo_weights_fingerprint"))[0]
+            fingerprint = merge_rank_fingerprints(await self.engine.collective_rpc("grpo_weights_fingerprint"))
             fingerprint_seconds = time.perf_counter() - t1
         return {"version": version, "seconds": seconds, "bytes": sum(f["bytes"] for f in manifest["files"]),
                 "reload_seconds": reload_seconds, "hash_seconds": hash_seconds, "fingerprint": fingerprint,

@@ -10,6 +10,7 @@ but any changed value moves them.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -18,16 +19,20 @@ import torch
 from grpo.models import drop_tied_lm_head
 from grpo.serving.weights_dir import config_sources
 
+SUM_BLOCK = 1 << 12  # tensor_moments sums this many values in fp32, then the block sums in fp64
+SIGMAS = 6.0  # how many standard deviations of the summation error a tolerance allows
+
+
 
 def tensor_moments(t: torch.Tensor, rounded_to: Optional[torch.dtype] = None,
-                   block: int = 1 << 12, chunk: int = 1 << 20) -> tuple[int, float, float]:
+                   block: int = SUM_BLOCK, chunk: int = 1 << 20) -> tuple[int, float, float]:
     """(numel, sum, sum of squares) of a tensor, accurate to ~1e-8 relative, at memory speed; with
     `rounded_to`, of its values rounded to that dtype first (an fp32 master weight as pushed in bf16).
 
-    fp64 reductions are ~15x slower on CPU (0.33 s vs 0.02 s for a 28M-element bf16 embedding):
-    here each 1M-element chunk is copied into a reused fp32 buffer (no page faults), reduced in
-    fp32 over blocks of 4096 (error ~1e-7 of a block) and the block results summed in fp64.
-    Both ends of a push use this one function, so their figures agree to that accuracy."""
+    fp64 reductions are many times slower on CPU than fp32 ones: here each 1M-element chunk is
+    copied into a reused fp32 buffer (no page faults), reduced in fp32 over blocks of SUM_BLOCK and
+    the block results summed in fp64. Both ends of a push use this one function; what differs is
+    the order of the values (the engine's layout), which `moment_tolerances` bounds."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return 0, 0.0, 0.0
@@ -74,31 +79,83 @@ def unseen_by_fingerprint(engine: dict) -> Callable[[str], bool]:
     cannot see (numel 0: vLLM's CPU backend packs linear weights into oneDNN handles). Their moments
     are never compared, so the next push need not compute them: on CPU that is 4/5 of SmolLM2's
     weights, whose moments took 0.11-0.23 s on a core the engine's reload wanted."""
-    renames, opaque = _renames(engine), {k for k, v in engine["params"].items() if v[0] == 0}
+    renames, opaque = _renames(engine), {k for k, v in engine["params"].items() if _opaque(v)}
     return lambda name: engine_param_name(name, renames) in opaque
+
+def moment_tolerances(numel: int, total: float, sumsq: float, block: int = SUM_BLOCK,
+                      accumulate: torch.dtype = torch.float32) -> tuple[float, float]:
+    """How far (sum, sum of squares) of the same `numel` values may differ when summed in another
+    order (the engine's layout: transposed, fused, padded, sharded, on another device), for
+    tensor_moments' summation: fp32 (`accumulate`) sums of `block` values, fp64 across blocks.
+
+    Model: each fp32 addition rounds by a uniform relative error of at most u (half an ulp), so a
+    block's recursive sum errs by ~ u sqrt(sum_k S_k^2) over its partial sums S_k. With the block's
+    values of mean m and spread r, S_k ~ k m + sqrt(k) r, which gives per block
+    u (B^1.5 |m| / 3 + B r / sqrt(6)), and over the numel / B independent blocks
+    u (B |total| / (3 sqrt(numel)) + sqrt(B sumsq / 6)); for the squares (all >= 0, spread ~ their
+    mean) u (B / 3 + sqrt(B / 3)) sumsq / sqrt(numel). SIGMAS of those: recursive summation is the
+    worst order there is (torch's reductions are pairwise inside a block, about 100x better), so a
+    reordering passes, while one changed element moves the figures far more than that."""
+    n = max(int(numel), 1)
+    u = torch.finfo(accumulate).eps / 2
+    b = min(block, n)
+    tol_sum = SIGMAS * u * (b * abs(total) / (3 * math.sqrt(n)) + math.sqrt(b * max(sumsq, 0.0) / 6))
+    tol_sq = SIGMAS * u * (b / 3 + math.sqrt(b / 3)) * max(sumsq, 0.0) / math.sqrt(n)
+    return tol_sum + 1e-30, tol_sq + 1e-30
+
+
+def _ranks(entry) -> list[tuple[int, float, float]]:
+    """An engine parameter's moments per tensor-parallel rank (a single triple: one rank)."""
+    if entry and isinstance(entry[0], (list, tuple)):
+        return [tuple(r) for r in entry]
+    return [tuple(entry)]
+
+
+def held_moments(entry, expected_numel: int) -> tuple[int, float, float]:
+    """What the engine holds of one parameter, over its tensor-parallel ranks: a parameter every rank
+    holds whole (norms, replicated biases: each rank's numel covers the pushed one) is rank 0's; a
+    sharded one (each rank a slice) is the sum of the slices. Replicas must agree, else the
+    parameter is reported as the rank that differs most, which the comparison then catches."""
+    ranks = _ranks(entry)
+    if len(ranks) == 1:
+        return ranks[0]
+    if all(r[0] >= expected_numel for r in ranks):
+        tol_s, tol_q = moment_tolerances(*ranks[0])
+        for r in ranks[1:]:
+            if abs(r[1] - ranks[0][1]) > tol_s or abs(r[2] - ranks[0][2]) > tol_q:
+                return r
+        return ranks[0]
+    return (sum(r[0] for r in ranks), sum(r[1] for r in ranks), sum(r[2] for r in ranks))
+
+
+def _opaque(entry) -> bool:
+    return all(r[0] == 0 for r in _ranks(entry))
+
 
 def fingerprint_mismatches(pushed: dict[str, tuple[int, float, float]], engine: dict, limit: int = 5) -> list[str]:
     """Names of the engine parameters (vLLM's names) whose (numel, sum, sum of squares) differ from
-    those of the tensors the trainer pushed (`pushed`: pushed_moments), folded into vLLM's packed
-    modules (q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj; `engine` is the server's
-    fingerprint reply). A pushed tensor the engine does not hold, or an engine parameter nothing
-    was pushed for, is a mismatch too. An engine parameter left empty (numel 0) is opaque and
-    skipped: vLLM's CPU backend moves fp32 linear weights into oneDNN's packed handles, out of
-    reach of named_parameters (there only embeddings, norms and biases are checked; on GPU every
-    parameter is)."""
+    those of the tensors the trainer pushed (`pushed`: pushed_moments) by more than the summation
+    order explains (moment_tolerances), folded into vLLM's packed modules (q/k/v_proj -> qkv_proj,
+    gate/up_proj -> gate_up_proj; `engine` is the server's fingerprint reply, a triple per
+    parameter or a list of them, one per tensor-parallel rank). A pushed tensor the engine does not
+    hold, or an engine parameter nothing was pushed for, is a mismatch too. An engine parameter
+    left empty (numel 0) is opaque and skipped: vLLM's CPU backend moves fp32 linear weights into
+    oneDNN's packed handles, out of reach of named_parameters (there only embeddings, norms and
+    biases are checked; on GPU every parameter is)."""
     renames = _renames(engine)
     expected: dict[str, list[float]] = {}
     for name, moments in pushed.items():
         acc = expected.setdefault(engine_param_name(name, renames), [0, 0.0, 0.0])
         for i in range(3):
             acc[i] += moments[i]
-    held = {k: v for k, v in engine["params"].items() if v[0] > 0}
-    opaque = {k for k, v in engine["params"].items() if v[0] == 0}
-    bad = sorted((set(expected) - opaque) ^ set(held))
-    for name in sorted(set(expected) & set(held)):
-        (n_e, s_e, q_e), (n_h, s_h, q_h) = expected[name], held[name]
-        scale = (q_e * n_e) ** 0.5 + 1e-30  # >= sum |x|: bounds the rounding of either sum
+    opaque = {k for k, v in engine["params"].items() if _opaque(v)}
+    held_names = {k for k in engine["params"] if k not in opaque}
+    bad = sorted((set(expected) - opaque) ^ held_names)
+    for name in sorted(set(expected) & held_names):
+        n_e, s_e, q_e = expected[name]
+        n_h, s_h, q_h = held_moments(engine["params"][name], int(n_e))
+        tol_s, tol_q = moment_tolerances(int(n_e), s_e, q_e)
         # numel may differ by zero padding (same sums); values may not
-        if abs(s_e - s_h) > 1e-6 * scale or abs(q_e - q_h) > 1e-6 * max(q_e, 1e-30) or n_h < n_e:
+        if abs(s_e - s_h) > tol_s or abs(q_e - q_h) > tol_q or n_h < n_e:
             bad.append(name)
     return bad[:limit] if len(bad) <= limit else bad[:limit] + [f"... {len(bad) - limit} more"]

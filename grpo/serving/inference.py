@@ -61,6 +61,7 @@ class ServerConfig:
     retry_deadline_s: float = 60.0  # transient failures are retried with backoff for this long
     max_model_len: int = 2048  # prompt + completion tokens per sequence
     gpu_memory_utilization: Optional[float] = None  # vLLM's share of its GPU; None: 0.85 on its own GPU, 0.3 shared
+    tensor_parallel_size: int = 1  # GPUs of the one launched engine (grpo.layout reserves them; e.g. 2 for a 7B model)
     seed: int = 0  # engine seed (set once; per-request seeds kill the CPU engine)
     trust_remote_code: bool = False  # let the model directory run its own Python code
     enforce_eager: bool = False  # no CUDA graphs / compilation: faster start, slower decoding
@@ -82,6 +83,8 @@ class ServerConfig:
         for name in ("startup_timeout_s", "request_timeout_s", "retry_deadline_s", "upload_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
         if self.max_model_len < 16:
             raise ValueError(f"max_model_len: must be >= 16, got {self.max_model_len}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -205,6 +208,7 @@ class InferenceServer:
                "--dtype", str(dtype).removeprefix("torch."),
                "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
                "--gpu-memory-utilization", str(fraction), "--keep-last", str(cfg.keep_last),
+               "--tensor-parallel-size", str(cfg.tensor_parallel_size),
                "--parent-pid", str(os.getpid()), "--upload-timeout-s", str(cfg.upload_timeout_s)]
         cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
         cmd += ["--enforce-eager"] if cfg.enforce_eager else []

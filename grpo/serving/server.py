@@ -25,7 +25,6 @@ No orphans: every process vLLM starts for its engine (the engine core, tensor-pa
 by fork or by spawn, whichever executor vLLM picks, dies with this server (`engine_processes_die_with_server`).
 """
 import argparse
-import multiprocessing
 import os
 import stat
 import sys
@@ -52,8 +51,8 @@ def engine_processes_die_with_server() -> None:
 
 def _in_engine_process() -> None:
     """Run at import: in a process spawned for this server's engine, tie it to its parent."""
-    pid = os.environ.get(SERVER_PID_ENV)
-    if pid and int(pid) != os.getpid() and multiprocessing.parent_process() is not None:
+    pid = os.environ.get(SERVER_PID_ENV)  # set by a server for its own process tree only
+    if pid and int(pid) != os.getpid():
         die_with_parent(os.getppid())
 
 
