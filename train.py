@@ -41,8 +41,8 @@ from grpo.metrics import MetricsLogger
 from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_model_path
 from grpo.optim import build_optimizer, build_scheduler
 from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
-from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, merge_stats,
-                            token_weights)
+from grpo.objective import (all_reduce_stats, check_objective_path, contributing, finalize_stats,
+                            local_denominators, merge_stats, token_weights)
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
                            gather_full_state_dict, init_distributed, launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, Policy
@@ -178,6 +178,12 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     policy = build_policy(cfg, info.device, trainable=True)
+    # which path the objective takes here (fused kernel, torch inside the fused head, or whole
+    # sequences through autograd); on CUDA, a kernel that leaves a statistic unwritten stops here
+    objective_path = check_objective_path(cfg.objective, info.device, cfg.kernels)
+    if info.is_main:
+        print(f"[train] objective {cfg.objective.loss} (is_correction {cfg.objective.correction}): "
+              f"{objective_path} path", file=sys.stderr)
     ref_policy = build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
     optimizer = build_optimizer(policy, cfg.optim)
     run = Run(cfg, info, run_dir, tokenizer, policy, ref_policy,
@@ -411,7 +417,7 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
         weights = token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=num_seqs,
                                   num_tokens=num_tokens, max_len=cfg.grpo.max_new_tokens, truncated=mb.truncated)[mask]
         inputs = ObjectiveInputs(mb.logp_alpha, None if first else cache.logp_k[j], cache.logp_ref[j],
-                                 mb.adv[mb.seq_of_token], weights, cfg.objective)
+                                 mb.adv[mb.seq_of_token], weights, cfg.objective, seq_index=mb.seq_of_token)
         out = run.policy(mb.input_ids, mb.completion_index, mb.completion_tokens, objective=inputs, with_entropy=first,
                          position_ids=mb.position_ids, segments=mb.segments)
         # FSDP2 averages gradients over ranks; the weights already hold global denominators, so
@@ -536,8 +542,8 @@ def main(argv=None) -> int:
                         iteration_seconds=time.time() - t_iter)
                     run.logger.log(row)
                     bar.update(1)
-                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}",
-                                    clip=f"{row['clip_frac']:.3f}", ver=row["weights_version"])
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row.get('kl', math.nan):.4f}",
+                                    clip=f"{row.get('clip_frac', math.nan):.3f}", ver=row["weights_version"])
                 if cfg.log.sample_table_every and k % cfg.log.sample_table_every == 0:
                     run.logger.log_samples(progress.step, rollout.table)
 

@@ -14,6 +14,7 @@ On resume the W&B run id stored in the run directory continues the same W&B run,
 from __future__ import annotations
 
 import fnmatch
+import math
 import json
 import os
 import re
@@ -52,6 +53,10 @@ KEY_GROUPS: dict[str, str] = {
     "entropy": "train",
     "is_weight_*": "train",
     "is_capped_frac": "train",
+    "is_masked_frac": "train",
+    "seq_ratio_mean": "train",
+    "seq_capped_frac": "train",
+    "seq_masked_frac": "train",
     "ratio_*": "train",
     "grad_norm": "train",
     "lr": "train",
@@ -346,7 +351,17 @@ TRAIN_KEYS = {
     "ratio_max": "ratio_max", "is_weight_mean": "is_weight_mean", "is_weight_std": "is_weight_std",
     "is_weight_min": "is_weight_min", "is_weight_max": "is_weight_max", "is_capped_frac": "is_capped_frac",
     "tv_pik_alpha": "tv_mean", "kl_pik_alpha": "kl_pik_alpha_mean",
+    # the off-policy corrections and sequence-level losses (grpo/losses.py): what they masked or truncated
+    "is_masked_frac": "is_masked_frac", "seq_ratio_mean": "seq_ratio_mean", "seq_capped_frac": "seq_capped_frac",
+    "seq_masked_frac": "seq_masked_frac",
 }
+
+
+def defined(stats: dict) -> dict:
+    """The statistics that exist: one over an empty set (no active token, no counted sequence, no
+    group with nonzero variance) is NaN where it is computed and is left out of the row, so a
+    table's or a plot's mean over rows never turns NaN."""
+    return {key: value for key, value in stats.items() if not (isinstance(value, float) and math.isnan(value))}
 
 
 def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_stats: dict, train_stats: dict, *,
@@ -363,9 +378,9 @@ def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_
     return {
         "step": progress.step, "stage": stage, "iteration": iteration, "sgd_iteration": sgd_iteration,
         "weights_version": progress.weights_version,
-        **{key: rollout_stats[key] for key in ROLLOUT_KEYS},
+        **defined({key: rollout_stats[key] for key in ROLLOUT_KEYS}),
         **rollout_stats.get("engine", {}),  # as the engine reports them (a CPU engine: its threads; a GPU: none)
-        **{key: train_stats[name] for key, name in TRAIN_KEYS.items()},
+        **defined({key: train_stats[name] for key, name in TRAIN_KEYS.items()}),
         "entropy": entropy, "grad_norm": grad_norm, "lr": lr, "nan_skips": progress.nan_skips,
         "time_train": time_train, "time_sync": time_sync, "sync_bytes": sync_bytes,
         "tokens_per_s": batch_tokens / max(iteration_seconds, 1e-9), "time_iteration": iteration_seconds,

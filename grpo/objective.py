@@ -1,12 +1,22 @@
-"""The objective: group advantages, the clipped off-policy surrogate, KL, aggregation, diagnostics.
+"""The objective: group advantages, the policy loss, KL, aggregation, diagnostics.
 
-Single source of truth for the maths of Mroueh et al. (arXiv 2505.22257, "Revisiting GRPO") and
-of the REC / RED families of Yao et al. (arXiv 2509.24203). On CPU the trainer runs these torch
-functions; on CUDA it runs their fused Triton twin, kernels/loss.py (inside kernels.lm_head_objective,
-chosen by `objective_fn_for`). tests/test_kernels_loss.py keeps the two equal (loss, gradient and
-every statistic, for every option), and tests/test_kernels_lm_head.py the fused LM-head path
-against the plain head followed by `objective`. What the two share (input checks, statistic names
-and reductions) is kernels/contract.py.
+Single source of truth for the maths of Mroueh et al. (arXiv 2505.22257, "Revisiting GRPO"), of the
+REC / RED families of Yao et al. (arXiv 2509.24203), and of the peers' losses and off-policy
+corrections (GSPO, CISPO, TIS / MIS / IcePop). Each policy loss and each IS-weight correction is
+one registered torch function in grpo/losses.py (the registry: names, knobs, checks, equations);
+this module does what is common to all of them: eq. 2 advantages, eq. 8 masking, the aggregation
+weights, the KL term of eq. 7, the statistics, and which path runs a config (objective_path):
+  - a per-token loss with a fused Triton kernel (kernels/loss.py LOSS_CODES): on CUDA that kernel,
+    inside kernels.lm_head_objective; on CPU this module's torch maths in the same place;
+  - a per-token loss without a kernel: its torch definition inside lm_head_objective, on CUDA too
+    (objective_fn_for warns once);
+  - a loss or correction that needs whole sequences (needs_sequences: GSPO, sequence / geometric
+    corrections): kernels.lm_head_logprobs, then `objective` with each token's sequence, then
+    autograd (objective_of_hidden).
+tests/test_kernels_loss.py keeps every kernel equal to its torch definition (generated from the
+registry), tests/test_kernels_lm_head.py the fused LM-head path against the plain head followed by
+`objective`. What the objective and the kernel share (input checks, statistic names and
+reductions) is kernels/contract.py.
 
 Symbols (paper names): alpha = the policy that sampled the batch (its per-token log-probs
 `logp_alpha` come from the inference server), pi_k = the trainer's policy at the start of the
@@ -17,17 +27,16 @@ Pipeline, once per batch of B prompts x G completions:
   n_seqs, n_toks = local_denominators(mask, seq_weight, cfg)        # all-reduce over ranks
   then per micro-batch:
   w = token_weights(mask, seq_weight, cfg, num_seqs=..., num_tokens=..., max_len=...)
-  loss, sums = objective(logp, logp_alpha, logp_k, logp_ref, adv, w, cfg)   # eq. 6/7
+  loss, sums = objective(logp, logp_alpha, logp_k, logp_ref, adv, w, cfg, seq_index=...)   # eq. 6/7
   loss.backward(); accumulate sums (merge_stats), all-reduce, finalize_stats.
 
-Everything inside `per_token_loss` is elementwise (no op across tokens), so a kernel can
-re-implement it with one constexpr branch per option. Cross-token work (group statistics,
-RED, denominators) lives in the other functions. The named methods of the two papers are
-settings of ObjectiveConfig: configs/objectives/<name>.yaml.
+A sequence never spans two micro-batches or ranks, so per-sequence sums inside one call are whole.
+The named methods are settings of ObjectiveConfig: configs/objectives/<name>.yaml.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -35,31 +44,38 @@ import torch
 from torch import Tensor
 
 import kernels
-from kernels.contract import DIAGNOSTIC_KEYS, EXTREME_KEYS, SQ_KEYS, STAT_KEYS, check_objective_inputs, reduction
-
-LossName = Literal["grpo", "reinforce", "rec_oneside_is", "rec_oneside_nois", "rec_twoside_is", "rec_ring_nois"]
-_REC_LOSSES = ("rec_oneside_is", "rec_oneside_nois", "rec_twoside_is", "rec_ring_nois")
+from grpo import losses
+from grpo.losses import CORRECTIONS, LOSSES, LossInputs, Sequences, correction_name, needs_sequences
+from kernels.contract import (DIAGNOSTIC_KEYS, EXTREME_KEYS, SEQUENCE_KEYS, SQ_KEYS, STAT_KEYS,
+                              check_objective_inputs, reduction)
 
 
 @dataclass
+@losses.with_knobs  # + the knobs of the registered losses (grpo/losses.py), e.g. gspo_eps_low, eps_high_is
 class ObjectiveConfig:
     """The `objective:` section of the config. Each option names the equation it implements."""
 
-    loss: LossName = "grpo"
-    """grpo: clipped surrogate f_eps (eq. 6/7). reinforce: -A log pi, no clip, no IS (2509.24203 REINFORCE).
-    rec_*: REINFORCE with a clipping mask on pi/alpha (2509.24203 REC family; see per_token_loss)."""
+    loss: str = "grpo"
+    """the policy loss, one of grpo/losses.py's LOSSES (docs/objectives.md): grpo = clipped surrogate f_eps
+    (eq. 6/7); reinforce = -A log pi (2509.24203); rec_* = REINFORCE with a clipping mask on pi/alpha
+    (2509.24203 REC); cispo (2506.13585); gspo, gspo_token (2507.18071, sequence ratios)."""
     ratio_anchor: Literal["exact", "approx"] = "approx"
-    """grpo only. exact: r = pi/alpha, r' = pi_k/alpha (eq. 6). approx: r = pi/pi_k, r' = 1 (paper's practice, Sec. 3.2)."""
+    """losses registered anchored (grpo, cispo, gspo, gspo_token). exact: r = pi/alpha, r' = pi_k/alpha
+    (eq. 6). approx: r = pi/pi_k, r' = 1 (paper's practice, Sec. 3.2)."""
     eps_low: float = 0.2
     """lower clip width: band lower edge max(r' - eps_low, 0) (eq. 6); REC: 1 - eps_low."""
     eps_high: float = 0.2
     """upper clip width: band upper edge r' + eps_high (eq. 6); REC: 1 + eps_high."""
-    ring_eps_low: float = 0.6
-    """rec_ring_nois: outer margin; an A>0 token with pi/alpha <= 1 - ring_eps_low keeps its gradient."""
-    ring_eps_high: float = 2.0
-    """rec_ring_nois: outer margin; an A<0 token with pi/alpha >= 1 + ring_eps_high keeps its gradient."""
+    is_correction: Optional[str] = None
+    """correction of the IS weight pi_k/alpha against the sampler-learner mismatch, one of grpo/losses.py's
+    CORRECTIONS: none, token_truncate (TIS), token_mask (MIS), sequence_truncate / sequence_mask (product of
+    the ratios), geometric_truncate / geometric_mask (per-token mean), icepop (two-sided token mask).
+    null: token_truncate when is_cap is set (truncated IS, as before this option existed), else none."""
     is_cap: Optional[float] = None
-    """truncated IS: cap C on the importance weight pi_k/alpha (None = off); see per_token_loss."""
+    """upper threshold C of the correction: truncated IS caps pi_k/alpha at C (None = off)."""
+    is_floor: Optional[float] = None
+    """lower threshold of the mask corrections (token_mask, sequence_mask, geometric_mask, icepop); null:
+    no lower bound (icepop needs one)."""
     beta: float = 0.0
     """weight of KL(pi || pi_ref) in eq. 7."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -90,15 +106,10 @@ class ObjectiveConfig:
             raise ValueError(f"eps_low: must be in [0, 1] (the band's lower edge is a ratio >= 0), got {self.eps_low}")
         if self.eps_high < 0.0:
             raise ValueError(f"eps_high: must be >= 0, got {self.eps_high}")
-        # The ring's outer margins only mean something for the ring loss (any eps suits plain GRPO).
-        if self.loss == "rec_ring_nois" and not self.eps_low < self.ring_eps_low <= 1.0:
-            raise ValueError(f"ring_eps_low: must be in (eps_low, 1] (outer margin beyond the inner band), "
-                             f"got {self.ring_eps_low}")
-        if self.loss == "rec_ring_nois" and not self.ring_eps_high > self.eps_high:
-            raise ValueError(f"ring_eps_high: must be > eps_high (outer margin beyond the inner band), "
-                             f"got {self.ring_eps_high}")
         if self.is_cap is not None and not self.is_cap > 0.0:
             raise ValueError(f"is_cap: must be > 0 or null, got {self.is_cap}")
+        if self.is_floor is not None and not self.is_floor > 0.0:
+            raise ValueError(f"is_floor: must be > 0 or null, got {self.is_floor}")
         if self.beta < 0.0:
             raise ValueError(f"beta: must be >= 0, got {self.beta}")
         if not 0.0 < self.adv_eps < 1.0:
@@ -107,6 +118,14 @@ class ObjectiveConfig:
             raise ValueError(f"max_len_norm: must be >= 1 or null, got {self.max_len_norm}")
         if not self.red_tau > 0.0:
             raise ValueError(f"red_tau: must be > 0, got {self.red_tau}")
+        # The loss and correction names, their knobs and their own checks (the ring margins, is_cap
+        # for a correction, ...): the registry's.
+        losses.check_config(self)
+
+    @property
+    def correction(self) -> str:
+        """The correction in force: is_correction, or from is_cap when it is null (losses.correction_name)."""
+        return correction_name(self)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,26 +301,44 @@ def token_weights(completion_mask: Tensor, seq_weight: Tensor, cfg: ObjectiveCon
 
 
 # ----------------------------------------------------------------------------------------------
-# Per-token loss (eq. 6, 7; REINFORCE / REC of 2509.24203). Elementwise only.
+# Per-token loss (eq. 6, 7 and the registered losses of grpo/losses.py)
 # ----------------------------------------------------------------------------------------------
 
+def _sequence_ids(shape: torch.Size, seq_index: Optional[Tensor], device: torch.device) -> Tensor:
+    """[N] the sequence of each token of a `shape` tensor: seq_index flattened, or when it is None the
+    last dimension is one sequence's tokens ([B, T]: row b is sequence b; [T]: one sequence)."""
+    n = math.prod(shape)
+    if seq_index is not None:
+        if seq_index.numel() != n:
+            raise ValueError(f"seq_index: expected {n} sequence ids (one per token), "
+                             f"got shape {tuple(seq_index.shape)}")
+        return seq_index.reshape(-1).to(device=device, dtype=torch.int64)
+    tokens = shape[-1] if len(shape) else 1
+    return torch.arange(n // max(tokens, 1), device=device).repeat_interleave(tokens)
+
+
 def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
-                   adv: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token loss to MINIMISE, = -surrogate + beta * kl, and per-token diagnostics.
+                   adv: Tensor, cfg: ObjectiveConfig, *, active: Optional[Tensor] = None,
+                   seq_index: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token loss to MINIMISE, = policy loss (cfg.loss, grpo/losses.py) + beta * kl, and diagnostics.
 
     Inputs: same shape (any); adv either that shape or one dim less (broadcast per token).
     logp requires grad. logp_alpha: the sampler's log-probs (vLLM). logp_k: pi_k, detached; None means
     pi_k = the current parameters (logp.detach()), right only for the first optimizer step on a batch
     (i = 1 in Algorithm 1). logp_ref: None when beta == 0. Work dtype: float32 or wider.
+    active: which tokens count (default all); a loss or correction that reads whole sequences leaves
+    the others out of its sums. seq_index: each token's sequence, for those that need whole sequences
+    (default: the last dim is one sequence's tokens).
 
-    w = pi_k/alpha = exp(logp_k - logp_alpha) is the importance weight; w_bar = min(w, is_cap) (or w).
+    w = pi_k/alpha = exp(logp_k - logp_alpha) is the importance weight; w_bar the weight after the
+    correction (cfg.correction; is_cap alone truncates it, w_bar = min(w, is_cap), as before).
 
     loss = grpo (eq. 6, f_eps(r, r', A) = min(r A, clip(r, max(r' - eps_low, 0), r' + eps_high) A)):
-      exact:  r = (pi/pi_k) * w_bar, r' = w_bar    (= pi/alpha, pi_k/alpha when uncapped);
-              surrogate = f_eps(r, r', A). is_cap truncates the IS weight inside f.
+      exact:  r = (pi/pi_k) * w_bar, r' = w_bar    (= pi/alpha, pi_k/alpha when uncorrected);
+              surrogate = f_eps(r, r', A). A correction acts on the IS weight inside f.
       approx: r = pi/pi_k, r' = 1 (paper's practice: pi_k/alpha ~ 1 for small v);
-              surrogate = f_eps(r, 1, A), times w_bar only if is_cap is set (truncated IS against the
-              numerical mismatch between inference engine and trainer: alpha = pi_k mathematically
+              surrogate = f_eps(r, 1, A), times w_bar only if a correction is on (truncated IS against
+              the numerical mismatch between inference engine and trainer: alpha = pi_k mathematically
               when on-policy, but vLLM's log-probs differ from the trainer's).
       With alpha = pi_k and pi = pi_k (i = 1), d loss / d logp = -A (REINFORCE).
       Note: while pi = pi_k (the first optimizer step on a batch) r = r' under both anchors, so no
@@ -319,73 +356,48 @@ def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], l
                tokens with r >= 1 + ring_eps_high (outer margins); drop the rest.
       The gradient -A c keep grad(logp) is the authors' (Trinity-RFT rec_policy_loss); with IS and the
       one-sided mask it equals GRPO's clipped gradient with ratio pi/alpha.
+    loss = cispo, gspo, gspo_token and any other: see its registration in grpo/losses.py.
     kl (eq. 7) per token between pi and pi_ref, d = logp_ref - logp:
       k3 = exp(d) - d - 1 (default), k1 = -d, k2 = d^2 / 2; added as beta * kl when beta > 0.
 
     Diagnostics (detached, float, same shape): clip_low / clip_high (0/1: the token gets no policy
-    gradient because its ratio left the band below / above), ratio (r as above; for reinforce pi/alpha),
-    is_weight (w_bar), is_capped (0/1: w > is_cap), kl, tv = |w - 1| / 2 (per-token estimate of
-    TV(pi_k, alpha): E_alpha |pi_k/alpha - 1| / 2), kl_pik_alpha = w - 1 - log w (k3 estimator of
-    KL(alpha || pi_k) under samples from alpha: unbiased, >= 0). tv and kl_pik_alpha use the raw w.
+    gradient because its ratio left the band below / above; CISPO: its weight was clipped), ratio (r as
+    above; for reinforce and rec pi/alpha; for gspo the sequence's s_i), is_weight (w_bar), is_capped
+    (0/1: truncated, its weight or its sequence's above is_cap), is_masked (0/1: masked out by the
+    correction), kl, tv = |w - 1| / 2 (per-token estimate of TV(pi_k, alpha): E_alpha |pi_k/alpha - 1| / 2),
+    kl_pik_alpha = w - 1 - log w (k3 estimator of KL(alpha || pi_k) under samples from alpha: unbiased,
+    >= 0). tv and kl_pik_alpha use the raw w. Where the config needs whole sequences
+    (needs_sequences), also per-sequence [S] tensors: seq_active (the sequence has an active token),
+    seq_ratio (geometric mean of its tokens' ratio: GSPO's s_i), seq_capped, seq_masked (a token of
+    it, or the sequence itself, was truncated / masked).
     """
     adv = check_objective_inputs(logp, logp_alpha, logp_k, logp_ref, adv, cfg.beta)
+    shape = logp.shape
+    try:
+        adv = adv.expand(shape)
+    except RuntimeError:
+        raise ValueError(f"adv: shape {tuple(adv.shape)} does not broadcast per token over {tuple(shape)}") from None
 
     dtype = torch.promote_types(logp.dtype, torch.float32)
-    logp = logp.to(dtype)
-    logp_alpha = logp_alpha.detach().to(dtype)
-    logp_k = logp.detach() if logp_k is None else logp_k.detach().to(dtype)
-    adv = adv.detach().to(dtype)
+    flat = lambda t: t.reshape(-1)  # noqa: E731 (the losses see flat [N] tensors)
+    logp = flat(logp.to(dtype))
+    logp_alpha = flat(logp_alpha.detach().to(dtype))
+    logp_k = logp.detach() if logp_k is None else flat(logp_k.detach().to(dtype))
+    adv = flat(adv.detach().to(dtype))
+    active = torch.ones_like(logp, dtype=torch.bool) if active is None else flat(active.bool())
+    seqs = (Sequences.of(_sequence_ids(shape, seq_index, logp.device), active, dtype)
+            if needs_sequences(cfg) else None)
 
     log_w = logp_k - logp_alpha
     w = torch.exp(log_w)  # pi_k / alpha
-    if cfg.is_cap is not None:
-        w_bar = torch.clamp(w, max=cfg.is_cap)
-        is_capped = (w > cfg.is_cap).to(dtype)
-    else:
-        w_bar, is_capped = w, torch.zeros_like(w)
-
-    pos, neg = adv > 0, adv < 0
-    if cfg.loss == "grpo":
-        if cfg.ratio_anchor == "exact":
-            ratio = torch.exp(logp - logp_k) * w_bar
-            anchor = w_bar
-            outer = torch.ones_like(w)
-        else:
-            ratio = torch.exp(logp - logp_k)
-            anchor = torch.ones_like(w)
-            outer = w_bar if cfg.is_cap is not None else torch.ones_like(w)
-        lower = torch.clamp(anchor - cfg.eps_low, min=0.0)
-        upper = anchor + cfg.eps_high
-        clipped_ratio = torch.minimum(torch.maximum(ratio, lower), upper)
-        surrogate = outer * torch.minimum(ratio * adv, clipped_ratio * adv)
-        clip_low = (neg & (ratio < lower)).to(dtype)
-        clip_high = (pos & (ratio > upper)).to(dtype)
-        policy_loss = -surrogate
-    elif cfg.loss == "reinforce":
-        ratio = torch.exp(logp.detach() - logp_alpha)
-        clip_low = clip_high = torch.zeros_like(ratio)
-        policy_loss = -adv * logp
-    else:
-        ratio = torch.exp(logp.detach() - logp_alpha)  # pi / alpha, constant: only masks and weights use it
-        lower, upper = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
-        below, above = ratio < lower, ratio > upper
-        if cfg.loss in ("rec_oneside_is", "rec_oneside_nois"):
-            drop_low, drop_high = neg & below, pos & above
-        elif cfg.loss == "rec_twoside_is":
-            drop_low, drop_high = below, above
-        else:  # rec_ring_nois
-            rescued = (pos & (ratio <= 1.0 - cfg.ring_eps_low)) | (neg & (ratio >= 1.0 + cfg.ring_eps_high))
-            drop_low, drop_high = below & ~rescued, above & ~rescued
-        keep = (~(drop_low | drop_high)).to(dtype)
-        if cfg.loss.endswith("_is"):
-            coef = torch.clamp(ratio, max=cfg.is_cap) if cfg.is_cap is not None else ratio
-        else:
-            coef = torch.ones_like(ratio)
-        clip_low, clip_high = drop_low.to(dtype), drop_high.to(dtype)
-        policy_loss = -adv * coef * keep * logp
+    correction = CORRECTIONS[cfg.correction]
+    corrected = correction.fn(log_w, seqs, cfg)
+    x = LossInputs(logp=logp, logp_k=logp_k, logp_alpha=logp_alpha, adv=adv, w=w, w_bar=corrected.w_bar,
+                   kept=1.0 - corrected.masked, corrected=correction.level != "none", seqs=seqs)
+    terms = LOSSES[cfg.loss].fn(x, cfg)
 
     if logp_ref is not None:
-        d = logp_ref.detach().to(dtype) - logp
+        d = flat(logp_ref.detach().to(dtype)) - logp
         if cfg.kl_estimator == "k3":
             kl = torch.exp(d) - d - 1.0
         elif cfg.kl_estimator == "k2":
@@ -394,43 +406,59 @@ def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], l
             kl = -d
     else:
         kl = torch.zeros_like(logp)
-    loss = policy_loss + cfg.beta * kl if cfg.beta > 0 else policy_loss
+    loss = terms.loss + cfg.beta * kl if cfg.beta > 0 else terms.loss
 
     diagnostics = {
-        "clip_low": clip_low,
-        "clip_high": clip_high,
-        "ratio": ratio.detach(),
-        "is_weight": w_bar,
-        "is_capped": is_capped,
+        "clip_low": terms.clip_low,
+        "clip_high": terms.clip_high,
+        "ratio": terms.ratio.detach(),
+        "is_weight": corrected.w_bar,
+        "is_capped": corrected.capped,
         "kl": kl.detach(),
         "tv": 0.5 * torch.abs(w - 1.0),
         "kl_pik_alpha": w - 1.0 - log_w,
+        "is_masked": corrected.masked,
     }
-    return loss, diagnostics
+    diagnostics = {key: value.reshape(shape) for key, value in diagnostics.items()}
+    if seqs is not None:
+        diagnostics.update(
+            seq_active=(seqs.length > 0).to(dtype),
+            seq_ratio=torch.exp(seqs.mean(torch.log(terms.ratio.detach()))),
+            seq_capped=(seqs.sum(corrected.capped) > 0).to(dtype),
+            seq_masked=(seqs.sum(corrected.masked) > 0).to(dtype),
+        )
+    return loss.reshape(shape), diagnostics
 
 
 # ----------------------------------------------------------------------------------------------
 # The objective of one (micro-)batch and its additive statistics
 # ----------------------------------------------------------------------------------------------
 
-
-
 def objective(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
-              adv: Tensor, weights: Tensor, cfg: ObjectiveConfig) -> tuple[Tensor, dict[str, Tensor]]:
+              adv: Tensor, weights: Tensor, cfg: ObjectiveConfig, *,
+              seq_index: Optional[Tensor] = None) -> tuple[Tensor, dict[str, Tensor]]:
     """loss = sum(per_token_loss * weights), a scalar to minimise (weights from token_weights).
 
     Tokens with weight 0 (padding, eq. 8 masked groups, RED-dropped or truncated-masked samples) are
     inactive: their log-probs are replaced by 0 before the maths, so they give exactly zero loss and
-    zero gradient even when the padding holds garbage (inf, nan).
+    zero gradient even when the padding holds garbage (inf, nan), and a loss that reads whole
+    sequences leaves them out of its sums. seq_index [same shape as logp, or flat]: each token's
+    sequence, for the losses and corrections that need whole sequences (needs_sequences); None: the
+    last dim of logp is one sequence's tokens ([B, T] rows). The trainer's flat [N] micro-batch
+    passes its seq_of_token.
 
-    stats: 0-dim tensors (detached), all over ACTIVE tokens only (weights != 0), unweighted:
+    stats: 0-dim tensors (detached), all over ACTIVE tokens only (weights != 0), unweighted, keyed
+    and ordered as kernels.contract.STAT_KEYS:
       num_tokens                      count of active tokens
       loss                            the loss value (weighted sum)
       <key>_sum for key in DIAGNOSTIC_KEYS (clip_low, clip_high, ratio, is_weight, is_capped, kl, tv,
-                                      kl_pik_alpha)   sums of the per-token diagnostics
+                                      kl_pik_alpha, is_masked)   sums of the per-token diagnostics
       ratio_sqsum, is_weight_sqsum    sums of squares
       ratio_max, is_weight_max        maxima (-inf when no active token)
       ratio_min, is_weight_min        minima (+inf when no active token)
+      num_seqs, seq_ratio_sum, seq_capped_sum, seq_masked_sum    over the sequences with an active
+                                      token, where the config needs whole sequences; 0 otherwise (the
+                                      per-token paths cannot count sequences)
     Reduce keys ending in _max with MAX, _min with MIN, all others with SUM (merge_stats,
     all_reduce_stats), then finalize_stats. This function is what the fused Triton kernel reproduces.
     """
@@ -442,8 +470,10 @@ def objective(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_r
         return None if t is None else torch.where(active, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
     per_token, diag = per_token_loss(clean(logp), clean(logp_alpha), clean(logp_k), clean(logp_ref),
-                                     adv, cfg)
-    loss = (per_token * weights.to(per_token.dtype)).sum()
+                                     adv, cfg, active=active, seq_index=seq_index)
+    zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+    # where, not a product alone: a sequence loss gives inactive tokens their sequence's value
+    loss = torch.where(active, per_token * weights.to(per_token.dtype), zero).sum()
 
     act = active.to(per_token.dtype)
     stats: dict[str, Tensor] = {"num_tokens": act.sum(), "loss": loss.detach()}
@@ -455,7 +485,14 @@ def objective(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_r
     for key in EXTREME_KEYS:
         stats[f"{key}_max"] = torch.where(active, diag[key], -inf).amax() if active.numel() else -inf
         stats[f"{key}_min"] = torch.where(active, diag[key], inf).amin() if active.numel() else inf
-    return loss, stats
+    if "seq_active" in diag:
+        seq_active = diag["seq_active"]
+        stats["num_seqs"] = seq_active.sum()
+        for key in ("seq_ratio", "seq_capped", "seq_masked"):
+            stats[f"{key}_sum"] = torch.where(seq_active > 0, diag[key], zero).sum()
+    else:
+        stats.update({key: zero.clone() for key in SEQUENCE_KEYS})
+    return loss, {key: stats[key] for key in STAT_KEYS}
 
 
 def merge_stats(a: dict[str, Tensor], b: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -477,8 +514,10 @@ def all_reduce_stats(stats: dict[str, Tensor], group=None) -> dict[str, Tensor]:
 
 def finalize_stats(sums: dict[str, Tensor]) -> dict[str, float]:
     """Means over active tokens from reduced stats: clip_low_frac, clip_high_frac, clip_frac,
-    ratio_{mean,std,max,min}, is_weight_{mean,std,max,min}, is_capped_frac, kl_mean, tv_mean,
-    kl_pik_alpha_mean, plus loss and num_tokens. nan when there is no active token."""
+    ratio_{mean,std,max,min}, is_weight_{mean,std,max,min}, is_capped_frac, is_masked_frac, kl_mean,
+    tv_mean, kl_pik_alpha_mean, plus loss and num_tokens (nan when there is no active token); and
+    over sequences, where the config needs whole sequences: num_seqs, seq_ratio_mean (GSPO's mean
+    s_i), seq_capped_frac, seq_masked_frac (nan when no sequence was counted: the per-token paths)."""
     n = float(sums["num_tokens"])
 
     def mean(key: str) -> float:
@@ -495,17 +534,27 @@ def finalize_stats(sums: dict[str, Tensor]) -> dict[str, float]:
         out[f"{key}_std"] = math.sqrt(max(mean(f"{key}_sqsum") - m * m, 0.0)) if n > 0 else float("nan")
         out[f"{key}_max"] = float(sums[f"{key}_max"]) if n > 0 else float("nan")
         out[f"{key}_min"] = float(sums[f"{key}_min"]) if n > 0 else float("nan")
+    out["is_masked_frac"] = mean("is_masked_sum")
+    seqs = float(sums["num_seqs"])
+    out["num_seqs"] = seqs
+    for key, name in (("seq_ratio_sum", "seq_ratio_mean"), ("seq_capped_sum", "seq_capped_frac"),
+                      ("seq_masked_sum", "seq_masked_frac")):
+        out[name] = float(sums[key]) / seqs if seqs > 0 else float("nan")
     return out
 
 
 # ----------------------------------------------------------------------------------------------
-# The objective as the fused LM head calls it
+# Which path runs a config: the fused kernel, the torch maths in its place, or the sequence path
 # ----------------------------------------------------------------------------------------------
 
 def objective_with_grad(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
                         adv: Tensor, weights: Tensor, cfg: ObjectiveConfig, block=None) -> tuple[Tensor, Tensor, Tensor]:
     """`objective` in the fused kernel's contract (kernels.triton_objective): flat inputs ->
-    (loss, stats vector in kernels.contract.STAT_KEYS order, d loss / d logp), by autograd."""
+    (loss, stats vector in kernels.contract.STAT_KEYS order, d loss / d logp), by autograd. Per-token
+    configs only: the LM head calls it chunk by chunk, and a chunk may cut a sequence."""
+    if needs_sequences(cfg):
+        raise ValueError(f"loss {cfg.loss!r} with is_correction {cfg.correction!r} needs whole sequences: "
+                         "use objective_of_hidden, not the fused LM head")
     with torch.enable_grad():
         leaf = logp.detach().requires_grad_()
         loss, stats = objective(leaf, logp_alpha, logp_k, logp_ref, adv, weights, cfg)
@@ -513,9 +562,112 @@ def objective_with_grad(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tenso
     return loss.detach(), torch.stack([stats[key].float() for key in STAT_KEYS]), grad_logp
 
 
-def objective_fn_for(device: torch.device, kernel_config: "kernels.KernelConfig"):
+def has_kernel(cfg: ObjectiveConfig) -> bool:
+    """Whether the fused Triton loss kernel computes cfg's objective (kernels.LOSS_CODES /
+    CORRECTION_CODES name its loss and correction, and the objective is per token)."""
+    return not needs_sequences(cfg) and kernels.missing_kernel(cfg) is None
+
+
+def objective_path(cfg: ObjectiveConfig, device: torch.device, kernel_config: "kernels.KernelConfig") -> str:
+    """How the trainer runs cfg's objective on `device`:
+      "sequence": a loss or correction that needs whole sequences: kernels.lm_head_logprobs, then
+                  `objective` with each token's sequence, then autograd (objective_of_hidden);
+      "kernel":   kernels.lm_head_objective with the fused Triton loss (kernels.triton_objective);
+      "torch":    kernels.lm_head_objective with this module's torch maths (objective_with_grad):
+                  on CPU, and on CUDA for a per-token loss without a kernel."""
+    if needs_sequences(cfg):
+        return "sequence"
+    if kernels.resolve_backend(kernel_config.backend, device) == "triton" and has_kernel(cfg):
+        return "kernel"
+    return "torch"
+
+
+_warned: set = set()
+
+
+def _warn_no_kernel(cfg: ObjectiveConfig, path: str) -> None:
+    key = (cfg.loss, cfg.correction, path)
+    if key in _warned:
+        return
+    _warned.add(key)
+    why = ("it needs whole sequences: log-probs, then its torch definition with autograd" if path == "sequence"
+           else f"{kernels.missing_kernel(cfg)}: its torch definition runs inside the fused LM head")
+    warnings.warn(f"objective: loss {cfg.loss!r} with is_correction {cfg.correction!r} runs no Triton loss kernel "
+                  f"on this device ({why})", stacklevel=3)
+
+
+def objective_fn_for(device: torch.device, kernel_config: "kernels.KernelConfig",
+                     cfg: Optional[ObjectiveConfig] = None):
     """The objective inside kernels.lm_head_objective: the fused Triton kernel where the kernels run
-    Triton (CUDA; the interpreter in tests), this module's torch maths elsewhere."""
+    Triton (CUDA; the interpreter in tests) and it has cfg's loss and correction, this module's torch
+    maths elsewhere (a loss without a kernel warns once: it runs, never a KeyError). cfg None: the
+    choice by device alone (the kernel on Triton). A config that needs whole sequences has no place
+    here (objective_of_hidden runs it)."""
+    if cfg is not None and needs_sequences(cfg):
+        raise ValueError(f"loss {cfg.loss!r} with is_correction {cfg.correction!r} needs whole sequences, but the "
+                         "fused LM head computes each token's gradient from that token alone: use objective_of_hidden")
     if kernels.resolve_backend(kernel_config.backend, device) == "triton":
-        return kernels.triton_objective
+        if cfg is None or has_kernel(cfg):
+            return kernels.triton_objective
+        _warn_no_kernel(cfg, "torch")
     return objective_with_grad
+
+
+def check_objective_path(cfg: ObjectiveConfig, device: torch.device, kernel_config: "kernels.KernelConfig") -> str:
+    """The trainer's start-up check of its objective (call once, before the first step): the path
+    (objective_path); on a Triton device, one warning when the config runs no loss kernel, and where
+    it does, a launch proving the kernel stores every statistic slot of kernels.contract (a RuntimeError
+    naming the slots it leaves unwritten, which would otherwise be silent garbage)."""
+    path = objective_path(cfg, device, kernel_config)
+    if kernels.resolve_backend(kernel_config.backend, device) == "triton":
+        if path == "kernel":
+            kernels.check_stat_slots(cfg, has_ref=cfg.beta > 0, device=device)
+        else:
+            _warn_no_kernel(cfg, path)
+    return path
+
+
+def objective_of_hidden(hidden: Tensor, weight: Tensor, targets: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor],
+                        logp_ref: Optional[Tensor], adv: Tensor, weights: Tensor, cfg: ObjectiveConfig, *,
+                        seq_index: Optional[Tensor], temperature: float, with_entropy: bool,
+                        kernel_config: "kernels.KernelConfig"
+                        ) -> tuple[Tensor, dict[str, Tensor], Tensor, Optional[Tensor]]:
+    """The objective of the LM head's log-probs, by the path cfg needs: kernels.lm_head_objective's
+    arguments (flat [N] per-token tensors aligned with hidden's rows) plus seq_index [N], each
+    token's sequence (required by the configs that need whole sequences); the same returns (loss, stats keyed by STAT_KEYS, logp [N] detached, entropy
+    [N] detached or None).
+      per-token configs: kernels.lm_head_objective with objective_fn_for(..., cfg) (gradients during
+        the forward; backward is a multiply);
+      configs that need whole sequences: kernels.lm_head_logprobs (differentiable), then `objective`
+        with seq_index; backward goes through autograd (the head's backward recomputes its logits)."""
+    if not needs_sequences(cfg):
+        return kernels.lm_head_objective(
+            hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg,
+            objective_fn=objective_fn_for(hidden.device, kernel_config, cfg), temperature=temperature,
+            with_entropy=with_entropy, config=kernel_config)
+    if seq_index is None:
+        raise ValueError(f"seq_index: loss {cfg.loss!r} with is_correction {cfg.correction!r} needs each token's "
+                         "sequence (the micro-batch's seq_of_token)")
+    logp, entropy = kernels.lm_head_logprobs(hidden, weight, targets, temperature=temperature,
+                                             with_entropy=with_entropy, config=kernel_config)
+    loss, stats = objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, seq_index=seq_index)
+    return loss, stats, logp.detach(), None if entropy is None else entropy.detach()
+
+
+def _check_kernel_codes() -> None:
+    """kernels/ names the losses and corrections it has kernels for; each must be a registered
+    per-token one (a kernel without a torch definition would have nothing to be tested against)."""
+    for name in kernels.LOSS_CODES:
+        if name not in LOSSES or LOSSES[name].per != "token":
+            raise RuntimeError(f"kernels/loss.py LOSS_CODES has a kernel for {name!r}, which grpo/losses.py does "
+                               "not register as a per-token loss")
+        if LOSSES[name].anchored != (name in kernels.loss.ANCHORED_LOSSES):
+            raise RuntimeError(f"kernels/loss.py ANCHORED_LOSSES and grpo/losses.py disagree on whether {name!r} "
+                               "reads ratio_anchor")
+    for name in kernels.CORRECTION_CODES:
+        if name not in CORRECTIONS or CORRECTIONS[name].level not in ("none", "token"):
+            raise RuntimeError(f"kernels/loss.py CORRECTION_CODES has {name!r}, which grpo/losses.py does not "
+                               "register as a token-level correction")
+
+
+_check_kernel_codes()

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 import kernels
-from grpo.objective import ObjectiveConfig, objective_fn_for
+from grpo.objective import ObjectiveConfig, objective_of_hidden
 
 
 @dataclass
@@ -33,6 +33,7 @@ class ObjectiveInputs:
     adv: torch.Tensor  # eq. 2 advantage of the token's sequence
     weights: torch.Tensor  # aggregation weights (grpo.objective.token_weights); 0 = inactive
     cfg: ObjectiveConfig
+    seq_index: Optional[torch.Tensor] = None  # each token's sequence in the micro-batch (sequence-level losses)
 
 
 @dataclass
@@ -72,8 +73,8 @@ class Policy(torch.nn.Module):
             return kernels.lm_head_logprobs(hidden, weight, completion_tokens, temperature=self.temperature,
                                             with_entropy=with_entropy, config=self.kernel_cfg)
         o = objective
-        loss, stats, logp, entropy = kernels.lm_head_objective(
+        loss, stats, logp, entropy = objective_of_hidden(
             hidden, weight, completion_tokens, o.logp_alpha, o.logp_k, o.logp_ref, o.adv, o.weights, o.cfg,
-            objective_fn=objective_fn_for(hidden.device, self.kernel_cfg), temperature=self.temperature,
-            with_entropy=with_entropy, config=self.kernel_cfg)
+            seq_index=o.seq_index, temperature=self.temperature, with_entropy=with_entropy,
+            kernel_config=self.kernel_cfg)
         return PolicyOutput(loss, stats, logp, entropy)

@@ -13,12 +13,22 @@ CPU); lm_head_objective, when the loss is exactly the objective of logp, compute
 during the forward (3 matmuls, ~1.0x). Logits are fp32 whatever the weights' dtype (see lm_head.py).
 Target ids < 0 are ignored rows.
 
-backend: "auto" (Triton for CUDA tensors, torch otherwise), "triton" (also on CPU tensors when
-TRITON_INTERPRET=1 was set before triton was imported: how the tests run the kernels), "torch".
+backend (KernelConfig.backend, the `kernels.backend` config key; the `backend=` argument of each
+function overrides it):
+  "auto"    Triton for CUDA tensors, torch otherwise (the default: what the trainer should use);
+  "triton"  Triton always; on CPU tensors only when TRITON_INTERPRET=1 was set before triton was
+            imported (how the tests run the kernels through the interpreter), else a ValueError;
+  "torch"   plain torch everywhere (to rule a kernel out while debugging).
+The loss is the exception: torch is its definition (grpo/losses.py), and the Triton loss kernel
+runs only for the losses and IS-weight corrections it has a code for (kernels/loss.py LOSS_CODES,
+CORRECTION_CODES, per-token ones only); for any other the objective's torch definition runs, on
+CUDA too (grpo.objective.objective_fn_for warns once), and a loss that needs whole sequences
+(GSPO) goes through lm_head_logprobs and autograd instead of lm_head_objective.
 
-kernels/ imports nothing from grpo/. The objective's maths lives in grpo/objective.py (the source
-of truth); kernels/loss.py is its fused Triton twin, kernels/contract.py what the two share (input
-checks, statistic names). Where a torch objective is wanted (lm_head_objective on CPU), the caller
+kernels/ imports nothing from grpo/. The objective's maths lives in grpo/losses.py and
+grpo/objective.py (the source of truth); kernels/loss.py is the fused Triton version of its
+per-token losses, kernels/contract.py what the two share (input checks, statistic names). Where a
+torch objective is wanted (lm_head_objective on CPU, or a loss without a kernel), the caller
 passes it as `objective_fn` (grpo.objective.objective_fn_for picks). Every op is in its own module:
 kernels/logprobs.py, kernels/lm_head.py, kernels/loss.py, each with its Triton kernels, its torch
 implementation and its autograd.Function; kernels/aot.py compiles every Triton variant for sm_90
@@ -35,7 +45,8 @@ import torch
 from .contract import STAT_KEYS, check_objective_inputs, check_weights
 from .lm_head import LMHeadLogprobs, LMHeadObjective
 from .logprobs import LogprobImpl, TokenLogprobs
-from .loss import GRPOObjective, triton_objective
+from .loss import (CORRECTION_CODES, LOSS_CODES, GRPOObjective, check_stat_slots, missing_kernel,
+                   triton_objective)
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -183,10 +194,14 @@ def grpo_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, backen
     """The fused Triton loss: grpo.objective.objective's arguments and (loss, stats) contract, in one
     pass that computes the loss, d loss / d logp and every statistic. Triton only: on a device
     where Triton cannot run, the same error as resolve_backend (the torch reference is
-    grpo.objective.objective itself)."""
+    grpo.objective.objective itself); for a loss or correction without a kernel (missing_kernel),
+    a ValueError naming it."""
     config = _pick(backend, config)
     if resolve_backend("triton" if config.backend == "auto" else config.backend, logp.device) != "triton":
         raise ValueError("backend: grpo_objective is the Triton kernel; use grpo.objective.objective for torch")
+    why = missing_kernel(cfg)
+    if why is not None:
+        raise ValueError(f"{why}; use grpo.objective.objective, its torch definition")
     check_weights(weights, logp)
     adv = check_objective_inputs(logp, logp_alpha, logp_k, logp_ref, adv, cfg.beta)
     try:
@@ -231,4 +246,5 @@ def lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv
 
 
 __all__ = ["KernelConfig", "token_logprobs", "lm_head_logprobs", "grpo_objective", "lm_head_objective",
-           "triton_objective", "resolve_backend", "BACKENDS", "STAT_KEYS"]
+           "triton_objective", "resolve_backend", "BACKENDS", "STAT_KEYS", "LOSS_CODES", "CORRECTION_CODES",
+           "missing_kernel", "check_stat_slots"]

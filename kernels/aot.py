@@ -8,7 +8,8 @@ it in conftest, so tests call this in a subprocess).
 
 Variants: the log-prob kernels at the GPU launch defaults of kernels.KernelConfig (1 row per program,
 BLOCK_V 4096, 8 warps) for fp32 / bf16 / fp16 logits and each constexpr flag; the loss kernel for
-every LOSS x EXACT_ANCHOR x HAS_CAP x KL combination that an ObjectiveConfig can select.
+every LOSS x EXACT_ANCHOR x CORRECTION x KL combination that an ObjectiveConfig can select (the
+names in kernels/loss.py's LOSS_CODES and CORRECTION_CODES).
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ LOGIT_DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 def variants(only: str | None = None, cover: bool = False) -> list[dict]:
     """Plain descriptions (picklable) of every variant: kernel name, signature, constexprs, options.
 
-    cover=True keeps a covering subset of the loss kernel (every LOSS, anchor, HAS_CAP and KL value
-    at least once: 14 of 56) for a quick check; the log-prob kernels are always all there."""
-    from .loss import KL_CODES, LOSS_CODES
+    cover=True keeps a covering subset of the loss kernel (every LOSS with each of its anchors and
+    CORRECTION values, and every KL value at least once) for a quick check; the log-prob kernels are
+    always all there."""
+    from .loss import ANCHORED_LOSSES, CORRECTION_CODES, KL_CODES, LOSS_CODES
 
     out = []
     if only in (None, "logprob"):
@@ -54,17 +56,19 @@ def variants(only: str | None = None, cover: bool = False) -> list[dict]:
         sig = {name: "*fp32" for name in ("logp_ptr", "logp_alpha_ptr", "logp_k_ptr", "logp_ref_ptr", "adv_ptr",
                                           "weights_ptr", "grad_logp_ptr", "partials_ptr")}
         sig["n_tokens"] = "i32"
-        for name in ("eps_low", "eps_high", "rec_lower", "rec_upper", "ring_lower", "ring_upper", "is_cap", "beta"):
+        for name in ("eps_low", "eps_high", "rec_lower", "rec_upper", "ring_lower", "ring_upper", "cispo_lower",
+                     "cispo_upper", "is_cap", "is_floor", "beta"):
             sig[name] = "fp32"
+        corrections = sorted(set(CORRECTION_CODES.values()))
         for loss, code in LOSS_CODES.items():
-            anchors = (False, True) if loss == "grpo" else (False,)
-            combos = list(itertools.product(anchors, (False, True), KL_CODES.values()))
-            if cover:  # for each (anchor, cap): one KL code, rotating so that every code appears
-                combos = [(exact, cap, (code + 2 * i + j) % len(KL_CODES))
-                          for i, exact in enumerate(anchors) for j, cap in enumerate((False, True))]
-            for exact, has_cap, kl in combos:
-                cx = dict(LOSS=code, EXACT_ANCHOR=exact, HAS_CAP=has_cap, KL=kl, BLOCK=GPU_LOSS_BLOCK)
-                out.append(dict(kernel="grpo_loss_fwd_kernel", dtype="fp32", signature=sig, constexprs=cx,
+            anchors = (False, True) if loss in ANCHORED_LOSSES else (False,)
+            combos = list(itertools.product(anchors, corrections, KL_CODES.values()))
+            if cover:  # for each (anchor, correction): one KL code, rotating so that every code appears
+                combos = [(exact, corr, (code + 3 * i + j) % len(KL_CODES))
+                          for i, exact in enumerate(anchors) for j, corr in enumerate(corrections)]
+            for exact, correction, kl in combos:
+                cx = dict(LOSS=code, EXACT_ANCHOR=exact, CORRECTION=correction, KL=kl, BLOCK=GPU_LOSS_BLOCK)
+                out.append(dict(kernel="loss_and_grad_kernel", dtype="fp32", signature=sig, constexprs=cx,
                                 num_warps=4))
     return out
 

@@ -2,8 +2,9 @@
 agree on: the input checks, and the statistics' names, order and reductions.
 
 Both import this module; kernels/ imports nothing from grpo/. Adding a statistic is one change
-here (a name in DIAGNOSTIC_KEYS, SQ_KEYS or EXTREME_KEYS) plus its per-token value in each
-implementation: slots, reductions and merges follow from the key list.
+here (a name in DIAGNOSTIC_KEYS, SQ_KEYS, EXTREME_KEYS or SEQUENCE_KEYS) plus its value in each
+implementation: slots, reductions and merges follow from the key list. A kernel that forgets to
+store the new slot is caught at start-up (kernels.loss.check_stat_slots), not by garbage statistics.
 """
 from __future__ import annotations
 
@@ -13,14 +14,20 @@ import torch
 from torch import Tensor
 
 # Per-token diagnostics of the objective (see grpo.objective.per_token_loss), summed over active tokens.
-DIAGNOSTIC_KEYS = ("clip_low", "clip_high", "ratio", "is_weight", "is_capped", "kl", "tv", "kl_pik_alpha")
+DIAGNOSTIC_KEYS = ("clip_low", "clip_high", "ratio", "is_weight", "is_capped", "kl", "tv", "kl_pik_alpha",
+                   "is_masked")
 SQ_KEYS = ("ratio", "is_weight")  # also summed squared, for a standard deviation
 EXTREME_KEYS = ("ratio", "is_weight")  # also their maximum and minimum over active tokens
+# Per-sequence statistics, summed over sequences with an active token. Only an objective that sees
+# whole sequences (grpo.objective.needs_sequences) can count them; the per-token paths (the fused
+# kernel, the chunked torch objective) store 0, and finalize_stats reports nan for 0 sequences.
+SEQUENCE_KEYS = ("num_seqs", "seq_ratio_sum", "seq_capped_sum", "seq_masked_sum")
 
 # The statistics of one (micro-)batch, in this order wherever they form a vector.
 STAT_KEYS = (("num_tokens", "loss") + tuple(f"{k}_sum" for k in DIAGNOSTIC_KEYS)
              + tuple(f"{k}_sqsum" for k in SQ_KEYS)
-             + tuple(f"{k}_{m}" for k in EXTREME_KEYS for m in ("max", "min")))
+             + tuple(f"{k}_{m}" for k in EXTREME_KEYS for m in ("max", "min"))
+             + SEQUENCE_KEYS)
 N_STATS = len(STAT_KEYS)
 STAT_SLOT = {key: i for i, key in enumerate(STAT_KEYS)}
 

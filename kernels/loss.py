@@ -1,19 +1,26 @@
-"""Fused per-token GRPO / REINFORCE / REC loss: one pass over the tokens gives the weighted loss,
-d loss / d logp (kept for backward: the loss is a scalar, so backward is one multiply), and the
-diagnostic sums of grpo.objective.objective.
+"""Fused per-token loss: one pass over the tokens gives the weighted loss, d loss / d logp (kept for
+backward: the loss is a scalar, so backward is one multiply), and the statistics of
+grpo.objective.objective.
 
-The maths is grpo/objective.py's `per_token_loss` + `objective`, which stays the source of truth
-(and the CPU path); every option of ObjectiveConfig that acts per token is a constexpr branch:
-    LOSS          grpo | reinforce | rec_oneside_is | rec_oneside_nois | rec_twoside_is | rec_ring_nois
-    EXACT_ANCHOR  grpo ratio anchor: exact r = pi/alpha, r' = pi_k/alpha (eq. 6) or approx r = pi/pi_k, r' = 1
-    HAS_CAP       truncated importance weight min(pi_k/alpha, is_cap)
+Torch is the definition of every loss (grpo/losses.py, one registered function each); this kernel is
+an optional speed-up for the losses whose gradient at a token depends on that token alone, checked
+against those definitions by tests/test_kernels_loss.py (generated from the registry). Which losses
+and IS-weight corrections it has is the plain mapping LOSS_CODES / CORRECTION_CODES below; grpo's
+registry checks them at import, and a loss without a code runs its torch definition on CUDA too
+(grpo.objective.objective_fn_for). Every per-token option is a constexpr branch:
+    LOSS          a LOSS_CODES value
+    EXACT_ANCHOR  ratio anchor of grpo / cispo: exact r = pi/alpha, r' = pi_k/alpha (eq. 6) or approx r = pi/pi_k, r' = 1
+    CORRECTION    the IS weight w = pi_k/alpha as the loss sees it: 0 w, 1 min(w, is_cap) (TIS),
+                  2 w * 1[is_floor <= w <= is_cap] (MIS / IcePop)
     KL            none (no logp_ref) | k1 | k2 | k3 estimator of KL(pi || pi_ref) (eq. 7)
 Gradients follow torch's own rules for min / max (an exact tie splits the gradient evenly), so the
 kernel's gradient equals autograd's through the reference, ties included.
 
 Statistics: one partial vector per program, [programs, N_STATS], in kernels.contract's STAT_KEYS
 order (each slot a constexpr derived from the key list), reduced by torch per each key's reduction
-kind: deterministic, no atomics.
+kind: deterministic, no atomics. The partials start as torch.empty, so a slot the kernel forgets is
+garbage: check_stat_slots (run at start-up by grpo.objective.check_objective_path, and by the
+tests for every LOSS code) launches the kernel on NaN-filled partials and names any slot left NaN.
 
 This module imports nothing from grpo/: the torch reference (grpo.objective.objective) is the
 caller's to inject where a torch path is wanted (see lm_head_objective's objective_fn).
@@ -21,15 +28,20 @@ caller's to inject where a torch path is wanted (see lm_head_objective's objecti
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .contract import N_STATS, STAT_KEYS, STAT_SLOT, reduce_partials  # noqa: F401 (STAT_KEYS: re-exported)
+from .contract import N_STATS, STAT_KEYS, STAT_SLOT, reduce_partials
 
+# The losses and corrections this kernel implements (name -> constexpr code). grpo/losses.py
+# registers the torch definition of each name and refuses, at import, a code without one.
 LOSS_CODES = {"grpo": 0, "reinforce": 1, "rec_oneside_is": 2, "rec_oneside_nois": 3,
-              "rec_twoside_is": 4, "rec_ring_nois": 5}
+              "rec_twoside_is": 4, "rec_ring_nois": 5, "cispo": 6}
+ANCHORED_LOSSES = ("grpo", "cispo")  # the losses whose kernel branch reads EXACT_ANCHOR
+CORRECTION_CODES = {"none": 0, "token_truncate": 1, "token_mask": 2, "icepop": 2}  # icepop: token_mask, two-sided
 KL_CODES = {"none": 0, "k1": 1, "k2": 2, "k3": 3}
 
 # Slots of a program's row of partials, as compile-time constants the kernel reads.
@@ -44,12 +56,18 @@ _IS_CAPPED_SUM = tl.constexpr(STAT_SLOT["is_capped_sum"])
 _KL_SUM = tl.constexpr(STAT_SLOT["kl_sum"])
 _TV_SUM = tl.constexpr(STAT_SLOT["tv_sum"])
 _KL_PIK_ALPHA_SUM = tl.constexpr(STAT_SLOT["kl_pik_alpha_sum"])
+_IS_MASKED_SUM = tl.constexpr(STAT_SLOT["is_masked_sum"])
 _RATIO_SQSUM = tl.constexpr(STAT_SLOT["ratio_sqsum"])
 _IS_WEIGHT_SQSUM = tl.constexpr(STAT_SLOT["is_weight_sqsum"])
 _RATIO_MAX = tl.constexpr(STAT_SLOT["ratio_max"])
 _RATIO_MIN = tl.constexpr(STAT_SLOT["ratio_min"])
 _IS_WEIGHT_MAX = tl.constexpr(STAT_SLOT["is_weight_max"])
 _IS_WEIGHT_MIN = tl.constexpr(STAT_SLOT["is_weight_min"])
+# Sequence statistics: a per-token kernel never sees whole sequences, so it stores 0 (see contract).
+_NUM_SEQS = tl.constexpr(STAT_SLOT["num_seqs"])
+_SEQ_RATIO_SUM = tl.constexpr(STAT_SLOT["seq_ratio_sum"])
+_SEQ_CAPPED_SUM = tl.constexpr(STAT_SLOT["seq_capped_sum"])
+_SEQ_MASKED_SUM = tl.constexpr(STAT_SLOT["seq_masked_sum"])
 
 
 @triton.jit
@@ -59,11 +77,12 @@ def _tie_split(a, b):
 
 
 @triton.jit
-def grpo_loss_fwd_kernel(
+def loss_and_grad_kernel(
     logp_ptr, logp_alpha_ptr, logp_k_ptr, logp_ref_ptr, adv_ptr, weights_ptr,
     grad_logp_ptr, partials_ptr, n_tokens,
-    eps_low, eps_high, rec_lower, rec_upper, ring_lower, ring_upper, is_cap, beta,
-    LOSS: tl.constexpr, EXACT_ANCHOR: tl.constexpr, HAS_CAP: tl.constexpr, KL: tl.constexpr,
+    eps_low, eps_high, rec_lower, rec_upper, ring_lower, ring_upper, cispo_lower, cispo_upper,
+    is_cap, is_floor, beta,
+    LOSS: tl.constexpr, EXACT_ANCHOR: tl.constexpr, CORRECTION: tl.constexpr, KL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -80,28 +99,38 @@ def grpo_loss_fwd_kernel(
 
     log_w = logp_k - logp_alpha
     w = tl.exp(log_w)  # importance weight pi_k / alpha
-    if HAS_CAP:
+    zero = tl.zeros_like(w)
+    one = tl.full(w.shape, 1.0, tl.float32)
+    # The IS-weight correction (grpo/losses.py CORRECTIONS, token level): w_bar is what the loss sees.
+    if CORRECTION == 0:
+        w_bar = w
+        is_capped = zero
+        is_masked = zero
+    elif CORRECTION == 1:  # TIS: truncate at is_cap
         w_bar = tl.minimum(w, is_cap)
         is_capped = tl.where(w > is_cap, 1.0, 0.0)
-    else:
-        w_bar = w
-        is_capped = tl.zeros_like(w)
+        is_masked = zero
+    else:  # MIS / IcePop: tokens with w outside [is_floor, is_cap] drop out
+        kept = (w >= is_floor) & (w <= is_cap)
+        w_bar = tl.where(kept, w, 0.0)
+        is_capped = zero
+        is_masked = tl.where(kept, 0.0, 1.0)
     pos = adv > 0
     neg = adv < 0
-    zero = tl.zeros_like(w)
 
-    if LOSS == 0:  # grpo: -f_eps(r, r', A) of eq. 6, f = min(r A, clip(r, max(r' - eps_low, 0), r' + eps_high) A)
+    if LOSS == 0 or LOSS == 6:  # grpo and cispo: the ratio r and its anchor r'
         if EXACT_ANCHOR:
             ratio = tl.exp(logp - logp_k) * w_bar
             anchor = w_bar
-            outer = tl.full(w.shape, 1.0, tl.float32)
+            outer = one
         else:
             ratio = tl.exp(logp - logp_k)
-            anchor = tl.full(w.shape, 1.0, tl.float32)
-            if HAS_CAP:
-                outer = w_bar
+            anchor = one
+            if CORRECTION == 0:
+                outer = one
             else:
-                outer = tl.full(w.shape, 1.0, tl.float32)
+                outer = w_bar
+    if LOSS == 0:  # grpo: -f_eps(r, r', A) of eq. 6, f = min(r A, clip(r, max(r' - eps_low, 0), r' + eps_high) A)
         lower = tl.maximum(anchor - eps_low, 0.0)
         upper = anchor + eps_high
         raised = tl.maximum(ratio, lower)
@@ -116,6 +145,14 @@ def grpo_loss_fwd_kernel(
         policy_loss = -surrogate
         clip_low = tl.where(neg & (ratio < lower), 1.0, 0.0)
         clip_high = tl.where(pos & (ratio > upper), 1.0, 0.0)
+    elif LOSS == 6:  # cispo: -sg(clip(r, 1 - eps_low_is, 1 + eps_high_is)) A log pi, every token keeps a gradient
+        if EXACT_ANCHOR:  # a masked token has r = 0, which the clip could raise: drop it explicitly
+            outer = 1.0 - is_masked
+        coef = tl.minimum(tl.maximum(ratio, cispo_lower), cispo_upper)
+        d_policy = -outer * coef * adv
+        policy_loss = d_policy * logp
+        clip_low = tl.where(ratio < cispo_lower, 1.0, 0.0)
+        clip_high = tl.where(ratio > cispo_upper, 1.0, 0.0)
     elif LOSS == 1:  # reinforce: -A log pi
         ratio = tl.exp(logp - logp_alpha)
         policy_loss = -adv * logp
@@ -137,13 +174,13 @@ def grpo_loss_fwd_kernel(
             drop_low = below & (~rescued)
             drop_high = above & (~rescued)
         keep = tl.where(drop_low | drop_high, 0.0, 1.0)
-        if LOSS == 2 or LOSS == 4:  # importance-sampled variants
-            if HAS_CAP:
+        if LOSS == 2 or LOSS == 4:  # importance-sampled variants; is_cap truncates their weight pi/alpha
+            if CORRECTION == 1:
                 coef = tl.minimum(ratio, is_cap)
             else:
                 coef = ratio
         else:
-            coef = tl.full(w.shape, 1.0, tl.float32)
+            coef = one
         d_policy = -adv * coef * keep
         policy_loss = d_policy * logp
         clip_low = tl.where(drop_low, 1.0, 0.0)
@@ -157,7 +194,7 @@ def grpo_loss_fwd_kernel(
         d = logp_ref - logp
         if KL == 1:
             kl = -d
-            d_kl = tl.full(w.shape, 1.0, tl.float32)
+            d_kl = one
         elif KL == 2:
             kl = 0.5 * d * d
             d_kl = -d
@@ -181,22 +218,51 @@ def grpo_loss_fwd_kernel(
     tl.store(out + _KL_SUM, tl.sum(kl * act, axis=0))
     tl.store(out + _TV_SUM, tl.sum(0.5 * tl.abs(w - 1.0) * act, axis=0))
     tl.store(out + _KL_PIK_ALPHA_SUM, tl.sum((w - 1.0 - log_w) * act, axis=0))
+    tl.store(out + _IS_MASKED_SUM, tl.sum(is_masked * act, axis=0))
     tl.store(out + _RATIO_SQSUM, tl.sum(ratio * ratio * act, axis=0))
     tl.store(out + _IS_WEIGHT_SQSUM, tl.sum(w_bar * w_bar * act, axis=0))
     tl.store(out + _RATIO_MAX, tl.max(tl.where(active, ratio, float("-inf")), axis=0))
     tl.store(out + _RATIO_MIN, tl.min(tl.where(active, ratio, float("inf")), axis=0))
     tl.store(out + _IS_WEIGHT_MAX, tl.max(tl.where(active, w_bar, float("-inf")), axis=0))
     tl.store(out + _IS_WEIGHT_MIN, tl.min(tl.where(active, w_bar, float("inf")), axis=0))
+    tl.store(out + _NUM_SEQS, tl.sum(zero, axis=0))
+    tl.store(out + _SEQ_RATIO_SUM, tl.sum(zero, axis=0))
+    tl.store(out + _SEQ_CAPPED_SUM, tl.sum(zero, axis=0))
+    tl.store(out + _SEQ_MASKED_SUM, tl.sum(zero, axis=0))
+
+
+def missing_kernel(cfg) -> Optional[str]:
+    """Why no variant of loss_and_grad_kernel computes cfg's objective (None: one does)."""
+    if cfg.loss not in LOSS_CODES:
+        return f"loss {cfg.loss!r} has no fused kernel (kernels with one: {sorted(LOSS_CODES)})"
+    if cfg.correction not in CORRECTION_CODES:
+        return (f"is_correction {cfg.correction!r} has no fused kernel "
+                f"(corrections with one: {sorted(CORRECTION_CODES)})")
+    return None
 
 
 def kernel_constexprs(cfg, has_ref: bool) -> dict:
-    """The constexpr variant of grpo_loss_fwd_kernel that an ObjectiveConfig selects."""
+    """The constexpr variant of loss_and_grad_kernel that an ObjectiveConfig selects."""
+    why = missing_kernel(cfg)
+    if why is not None:
+        raise ValueError(f"{why}; grpo.objective.objective_fn_for(device, kernel_config, cfg) runs its torch "
+                         "definition instead")
     return dict(
         LOSS=LOSS_CODES[cfg.loss],
-        EXACT_ANCHOR=cfg.loss == "grpo" and cfg.ratio_anchor == "exact",
-        HAS_CAP=cfg.is_cap is not None,
+        EXACT_ANCHOR=cfg.loss in ANCHORED_LOSSES and cfg.ratio_anchor == "exact",
+        CORRECTION=CORRECTION_CODES[cfg.correction],
         KL=KL_CODES[cfg.kl_estimator] if has_ref else 0,
     )
+
+
+def _scalars(cfg) -> tuple:
+    """The kernel's float arguments, in its order. Thresholds are computed in double then rounded
+    once, as torch compares an fp32 tensor with a python float."""
+    return (float(cfg.eps_low), float(cfg.eps_high),
+            1.0 - cfg.eps_low, 1.0 + cfg.eps_high, 1.0 - cfg.ring_eps_low, 1.0 + cfg.ring_eps_high,
+            1.0 - cfg.eps_low_is, 1.0 + cfg.eps_high_is,
+            float(cfg.is_cap) if cfg.is_cap is not None else math.inf,
+            float(cfg.is_floor) if cfg.is_floor is not None else 0.0, float(cfg.beta))
 
 
 def triton_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, block):
@@ -205,17 +271,40 @@ def triton_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, bloc
     grad_logp = torch.empty_like(logp)
     n_programs = max(1, triton.cdiv(n_tokens, block))
     partials = torch.empty((n_programs, N_STATS), dtype=torch.float32, device=logp.device)
-    grpo_loss_fwd_kernel[(n_programs,)](
+    loss_and_grad_kernel[(n_programs,)](
         logp, logp_alpha, logp if logp_k is None else logp_k,  # pi_k = current policy when not given
         logp if logp_ref is None else logp_ref, adv, weights, grad_logp, partials, n_tokens,
-        float(cfg.eps_low), float(cfg.eps_high),
-        # REC thresholds computed in double then rounded once, as torch compares fp32 with a python float
-        1.0 - cfg.eps_low, 1.0 + cfg.eps_high, 1.0 - cfg.ring_eps_low, 1.0 + cfg.ring_eps_high,
-        float(cfg.is_cap) if cfg.is_cap is not None else math.inf, float(cfg.beta),
-        BLOCK=block, **kernel_constexprs(cfg, logp_ref is not None),
+        *_scalars(cfg), BLOCK=block, **kernel_constexprs(cfg, logp_ref is not None),
     )
     stats = reduce_partials(partials)
     return stats[STAT_SLOT["loss"]].clone(), stats, grad_logp
+
+
+def unwritten_stat_slots(cfg, has_ref: bool, device, keys: tuple = STAT_KEYS) -> list[str]:
+    """The keys whose slot cfg's kernel variant leaves unwritten: one program on 8 finite tokens,
+    its row of partials filled with NaN first (every statistic of finite inputs is finite, so a
+    slot still NaN was never stored). `keys` longer than STAT_KEYS is how a test plays "a statistic
+    added to contract.py that the kernel does not store"."""
+    g = torch.Generator().manual_seed(0)
+    n = 8
+    logp_alpha = -torch.rand(n, generator=g) - 0.1
+    logp_k = logp_alpha + 0.1 * torch.randn(n, generator=g)
+    logp = logp_k + 0.1 * torch.randn(n, generator=g)
+    inputs = [t.to(device).contiguous() for t in (logp, logp_alpha, logp_k, logp_alpha + 0.05,
+                                                 torch.randn(n, generator=g), torch.ones(n))]
+    partials = torch.full((1, len(keys)), math.nan, dtype=torch.float32, device=device)
+    grad = torch.empty(n, dtype=torch.float32, device=device)
+    loss_and_grad_kernel[(1,)](*inputs[:6], grad, partials, n, *_scalars(cfg), BLOCK=16,
+                               **kernel_constexprs(cfg, has_ref))
+    return [key for key, value in zip(keys, partials[0].tolist()) if math.isnan(value)]
+
+
+def check_stat_slots(cfg, has_ref: bool, device, keys: tuple = STAT_KEYS) -> None:
+    """Raise if cfg's kernel variant leaves a statistic slot unwritten (see unwritten_stat_slots)."""
+    missing = unwritten_stat_slots(cfg, has_ref, device, keys)
+    if missing:
+        raise RuntimeError(f"kernels/loss.py: loss_and_grad_kernel does not store the statistics {missing} "
+                           f"(loss {cfg.loss!r}); their slots would be garbage: add a tl.store for each")
 
 
 class GRPOObjective(torch.autograd.Function):

@@ -64,10 +64,10 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     optimizer = build_optimizer(policy, cfg.optim)
     run = SimpleNamespace(cfg=cfg, dist=info, policy=policy, ref_policy=ref, optimizer=optimizer,
                           scheduler=build_scheduler(optimizer, 10, cfg.optim), tokenizer=SimpleNamespace(pad_token_id=0),
-                          ahead=train.SampleAhead())  # nothing sampled ahead: the trainer keeps its threads
+                          sample_ahead=train.SampleAhead())  # nothing sampled ahead
     vocab = policy.lm.config.vocab_size
     if os.environ.get("GRPO_NO_SKIP") == "1":  # the reference: every sequence runs forward and backward
-        O.contributing = lambda completion_mask, *a, **k: torch.ones(completion_mask.shape[0], dtype=torch.bool)
+        train.contributing = lambda completion_mask, *a, **k: torch.ones(completion_mask.shape[0], dtype=torch.bool)
     batch = fixed_batch(vocab, cfg.grpo.batch_prompts, cfg.grpo.G, skewed=batch_kind == "skewed",
                         masked=batch_kind.removeprefix("grouped-") if "masked" in batch_kind else "", objective=cfg.objective,
                         grouped=batch_kind.startswith("grouped"))

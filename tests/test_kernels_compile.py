@@ -14,7 +14,9 @@ import torch
 import kernels
 from grpo.objective import ObjectiveConfig
 from kernels import aot
-from kernels.loss import kernel_constexprs
+from kernels.loss import ANCHORED_LOSSES, KL_CODES, kernel_constexprs
+
+pytestmark = pytest.mark.torchrun  # the AOT compiler runs in a child process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100_MAX_SHARED = 227 * 1024  # bytes of shared memory one block may use on sm_90
@@ -31,8 +33,8 @@ def compile_in_subprocess(*flags):
 
 
 def test_covering_variants_compile_for_sm90():
-    # All log-prob variants (each logits dtype and flag) + every loss-kernel constexpr value at least
-    # once: ~30 compilations, ~20 s on 2 cores with an empty Triton cache, ~2 s with a warm one.
+    # All log-prob variants (each logits dtype and flag) + every loss, anchor and correction of the
+    # loss kernel, every KL value at least once.
     results, summary = compile_in_subprocess("--cover")
     assert summary["compiled"] == len(results) == len(aot.variants(cover=True))
     check(results)
@@ -40,7 +42,7 @@ def test_covering_variants_compile_for_sm90():
 
 @pytest.mark.slow
 def test_every_variant_compiles_for_sm90():
-    # The full matrix the dispatch can pick (74 compilations, ~30-60 s on 2 cores with an empty cache).
+    # The full matrix the dispatch can pick (kernels.aot.variants()).
     results, summary = compile_in_subprocess()
     assert summary["compiled"] == len(results) == len(aot.variants())
     check(results)
@@ -53,13 +55,31 @@ def check(results):
         assert r["shared"] <= H100_MAX_SHARED, r
 
 
+def kernel_configs():
+    """Every ObjectiveConfig the dispatch sends to the loss kernel, from the registry: each loss and
+    correction with a kernel code, each anchor, KL estimator and threshold setting."""
+    from grpo.losses import LOSSES
+
+    for loss, correction, anchor, kl in itertools.product(kernels.LOSS_CODES, kernels.CORRECTION_CODES,
+                                                          ["exact", "approx"], ["k1", "k2", "k3"]):
+        taken = LOSSES[loss].corrections
+        if taken is not None and correction not in taken:
+            continue
+        floors = [None, 0.5] if correction == "token_mask" else [0.5] if correction == "icepop" else [None]
+        cap = None if correction == "none" else 2.0
+        for floor in floors:
+            yield ObjectiveConfig(loss=loss, ratio_anchor=anchor, is_correction=correction, is_cap=cap,
+                                  is_floor=floor, kl_estimator=kl)
+        if correction == "token_truncate":  # is_cap alone: the same correction
+            yield ObjectiveConfig(loss=loss, ratio_anchor=anchor, is_cap=2.0, kl_estimator=kl)
+
+
 def test_compiled_variants_cover_what_the_dispatch_picks():
     # Loss kernel: every ObjectiveConfig option maps onto a compiled constexpr set.
     compiled = {tuple(sorted(v["constexprs"].items())) for v in aot.variants("loss")}
-    for loss, anchor, cap, kl, with_ref in itertools.product(
-            ["grpo", "reinforce", "rec_oneside_is", "rec_oneside_nois", "rec_twoside_is", "rec_ring_nois"],
-            ["exact", "approx"], [None, 2.0], ["k1", "k2", "k3"], [False, True]):
-        cfg = ObjectiveConfig(loss=loss, ratio_anchor=anchor, is_cap=cap, kl_estimator=kl)
+    configs = list(kernel_configs())
+    assert {cfg.loss for cfg in configs} == set(kernels.LOSS_CODES)
+    for cfg, with_ref in itertools.product(configs, [False, True]):
         key = {**kernel_constexprs(cfg, with_ref), "BLOCK": kernels.KernelConfig().loss_block}
         assert tuple(sorted(key.items())) in compiled, key
     # Log-prob kernels: the GPU launch defaults of the dispatch are the compiled ones (Qwen vocab).
@@ -69,6 +89,12 @@ def test_compiled_variants_cover_what_the_dispatch_picks():
 
 def test_covering_subset_has_every_constexpr_value():
     full, cover = aot.variants("loss"), aot.variants("loss", cover=True)
-    for name in ("LOSS", "EXACT_ANCHOR", "HAS_CAP", "KL"):
+    for name in ("LOSS", "EXACT_ANCHOR", "CORRECTION", "KL"):
         assert {v["constexprs"][name] for v in cover} == {v["constexprs"][name] for v in full}, name
-    assert len(cover) == 14 and len(full) == 56
+    # every loss with each of its anchors and corrections (the branches that interact), KL rotating
+    pairs = lambda vs: {(v["constexprs"]["LOSS"], v["constexprs"]["EXACT_ANCHOR"], v["constexprs"]["CORRECTION"])  # noqa: E731
+                        for v in vs}
+    assert pairs(cover) == pairs(full) and len(cover) == len(pairs(full))
+    # the full matrix: LOSS x its anchors x CORRECTION x KL, counted from the kernel's own code tables
+    anchors = sum(2 if loss in ANCHORED_LOSSES else 1 for loss in kernels.LOSS_CODES)
+    assert len(full) == anchors * len(set(kernels.CORRECTION_CODES.values())) * len(KL_CODES)

@@ -1,18 +1,33 @@
 """kernels.grpo_objective (fused Triton loss, run by the interpreter) against grpo.objective.objective,
-the source of truth: loss, d loss / d logp and every stats sum, for every per-token option."""
+the source of truth: loss, d loss / d logp and every stats sum. The cases come from the registries:
+every loss and correction the kernel has a code for (kernels.LOSS_CODES, CORRECTION_CODES), with the
+knobs and anchors grpo/losses.py registers for it; no loss name is written here."""
 import math
 
 import pytest
 import torch
 
 import kernels
-from grpo.objective import ObjectiveConfig, objective, objective_fn_for, objective_with_grad
+from grpo.losses import LOSSES
+from grpo.objective import ObjectiveConfig, check_objective_path, objective, objective_fn_for, objective_with_grad
 from kernels import KernelConfig
-from kernels.loss import STAT_KEYS
+from kernels.contract import STAT_KEYS as CONTRACT_KEYS
+from kernels.loss import STAT_KEYS, check_stat_slots, unwritten_stat_slots
 
 TRITON = KernelConfig(backend="triton", loss_block=32)  # several programs with a ragged last one
-LOSSES = ["grpo", "reinforce", "rec_oneside_is", "rec_oneside_nois", "rec_twoside_is", "rec_ring_nois"]
+KERNEL_LOSSES = list(kernels.LOSS_CODES)
+# The thresholds of each correction with a kernel, set so that the batches below cross them.
+CORRECTION_SETTINGS = {"none": dict(is_cap=None), "token_truncate": dict(is_cap=1.1),
+                       "token_mask": dict(is_correction="token_mask", is_cap=1.1, is_floor=0.9),
+                       "icepop": dict(is_correction="icepop", is_cap=1.15, is_floor=0.8)}
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def kernel_cases():
+    """(loss, correction) for every pair the kernel computes and the loss takes."""
+    assert set(CORRECTION_SETTINGS) == set(kernels.CORRECTION_CODES)  # a new kernel correction needs its settings
+    return [(loss, correction) for loss in KERNEL_LOSSES for correction in kernels.CORRECTION_CODES
+            if LOSSES[loss].corrections is None or correction in LOSSES[loss].corrections]
 
 
 def batch(seed, n_seqs=5, seq_len=23, spread=0.3):
@@ -52,20 +67,71 @@ def assert_same(want, got):
         torch.testing.assert_close(stats2[key], stats1[key], atol=1e-4, rtol=1e-5, msg=key)
 
 
-@pytest.mark.parametrize("loss", LOSSES)
-@pytest.mark.parametrize("is_cap", [None, 1.1])
-def test_every_option_matches_objective(loss, is_cap):
-    anchors = ["exact", "approx"] if loss == "grpo" else ["approx"]
+@pytest.mark.parametrize("loss,correction", kernel_cases())
+def test_every_option_matches_objective(loss, correction):
+    anchors = ["exact", "approx"] if LOSSES[loss].anchored else ["approx"]
     for anchor in anchors:
         for kl_estimator, beta, with_ref in [("k3", 0.0, False), ("k1", 0.05, True), ("k2", 0.05, True),
                                              ("k3", 0.05, True), ("k3", 0.0, True)]:
-            cfg = ObjectiveConfig(loss=loss, ratio_anchor=anchor, is_cap=is_cap, beta=beta,
-                                  kl_estimator=kl_estimator, eps_low=0.2, eps_high=0.28)
-            logp, logp_alpha, logp_k, logp_ref, adv, weights = batch(seed=2 * LOSSES.index(loss) + (anchor == "exact"))
+            cfg = ObjectiveConfig(loss=loss, ratio_anchor=anchor, beta=beta, kl_estimator=kl_estimator,
+                                  eps_low=0.2, eps_high=0.28, **CORRECTION_SETTINGS[correction])
+            assert cfg.correction == correction
+            logp, logp_alpha, logp_k, logp_ref, adv, weights = batch(seed=2 * KERNEL_LOSSES.index(loss) + (anchor == "exact"))
             want, got = run_both(cfg, logp, logp_alpha, logp_k, logp_ref if with_ref else None, adv, weights)
             assert_same(want, got)
-            if loss != "reinforce":  # the batch must exercise the clipping, else this test proves little
+            if LOSSES[loss].clips:  # the batch must exercise the clipping, else this test proves little
                 assert want[1]["clip_low_sum"] + want[1]["clip_high_sum"] > 0
+            if correction in ("token_mask", "icepop"):
+                assert 0 < want[1]["is_masked_sum"] < want[1]["num_tokens"]
+            if correction == "token_truncate":
+                assert want[1]["is_capped_sum"] > 0
+
+
+@pytest.mark.parametrize("loss,correction", kernel_cases())
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 33)], ids=lambda s: "x".join(map(str, s)))
+def test_odd_shapes_and_bf16_match_objective(loss, correction, shape):
+    # Shapes around the 32-token program (one token, a ragged single program, a second program of one
+    # token); bf16 log-probs: the kernel computes in fp32, its gradient comes back in bf16 as autograd's.
+    g = torch.Generator().manual_seed(sum(shape))
+    logp_alpha = -torch.rand(shape, generator=g) * 2
+    logp_k = logp_alpha + 0.3 * torch.randn(shape, generator=g)
+    logp = logp_k + 0.3 * torch.randn(shape, generator=g)
+    adv, weights = torch.randn(shape[0], generator=g), torch.rand(shape, generator=g) + 0.1
+    cfg = ObjectiveConfig(loss=loss, beta=0.05, ratio_anchor="exact" if LOSSES[loss].anchored else "approx",
+                          **CORRECTION_SETTINGS[correction])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logp.to(dtype)
+        want, got = run_both(cfg, x, logp_alpha, logp_k, logp_alpha, adv, weights)
+        if dtype == torch.float32:
+            assert_same(want, got)
+            continue
+        assert got[2].dtype == torch.bfloat16
+        torch.testing.assert_close(got[0], want[0].float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[2].float(), want[2].float(), atol=1e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("loss", KERNEL_LOSSES)
+def test_kernel_stores_every_statistic_slot(loss):
+    # Partials start as torch.empty: a slot the kernel forgot would be garbage. Every LOSS branch
+    # stores every slot, with and without the reference, for each correction branch.
+    for correction in ("none", "token_truncate", "token_mask"):
+        if (loss, correction) not in kernel_cases():
+            continue
+        cfg = ObjectiveConfig(loss=loss, **CORRECTION_SETTINGS[correction])
+        for has_ref in (False, True):
+            assert unwritten_stat_slots(cfg, has_ref, torch.device("cpu")) == []
+            check_stat_slots(cfg, has_ref, torch.device("cpu"))
+
+
+def test_statistic_slot_check_fails_on_a_slot_the_kernel_skips():
+    # A statistic added to kernels/contract.py that the kernel does not store: its slot stays NaN.
+    cfg = ObjectiveConfig()
+    keys = CONTRACT_KEYS + ("new_stat_sum",)
+    assert unwritten_stat_slots(cfg, False, torch.device("cpu"), keys) == ["new_stat_sum"]
+    with pytest.raises(RuntimeError, match=r"does not store the statistics \['new_stat_sum'\]"):
+        check_stat_slots(cfg, False, torch.device("cpu"), keys)
+    # the trainer's start-up check runs the real one for its config, through the interpreter here
+    assert check_objective_path(cfg, torch.device("cpu"), TRITON) == "kernel"
 
 
 def test_hand_computed_grpo_tokens():

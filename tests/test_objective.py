@@ -9,6 +9,7 @@ import torch
 from pathlib import Path
 
 from grpo.config import read_yaml
+from grpo.losses import CORRECTIONS, LOSSES
 from grpo.objective import (
     ObjectiveConfig,
     finalize_stats,
@@ -58,8 +59,13 @@ def test_ring_margins_are_checked_for_the_ring_loss_only():
 
 
 def test_presets_are_the_named_methods():
-    assert {p.stem for p in PRESETS} == {"grpo", "grpo_zero_var_mask", "dr_grpo", "dapo", "reinforce", "rec_oneside_is",
-                                         "rec_oneside_nois", "rec_twoside_is", "rec_ring_nois", "red_drop", "red_weight"}
+    # The papers' named methods, plus one preset per registered loss and correction (grpo/losses.py names
+    # them; tests/test_loss_registry.py checks each selects its entry).
+    papers = {"grpo", "grpo_zero_var_mask", "dr_grpo", "dapo", "reinforce", "rec_oneside_is", "rec_oneside_nois",
+              "rec_twoside_is", "rec_ring_nois", "red_drop", "red_weight"}
+    registered = {entry.preset for entry in [*LOSSES.values(), *CORRECTIONS.values()] if entry.preset}
+    assert papers <= {p.stem for p in PRESETS}
+    assert {p.stem for p in PRESETS} == papers | registered
     dapo = ObjectiveConfig(**read_yaml(PRESETS[[p.stem for p in PRESETS].index("dapo")])["objective"])
     assert (dapo.eps_low, dapo.eps_high, dapo.aggregation, dapo.count_masked) == (0.2, 0.28, "token_mean", False)
 
@@ -465,6 +471,58 @@ def test_rec_is_weight_respects_cap():
     logp_alpha, logp = t([0.0]), t([L(1.15)])  # r = 1.15 inside band, IS weight capped to 1.1
     _, g = _grad(lambda lp: per_token_loss(lp, logp_alpha, None, None, t([1.0]), cfg)[0], logp)
     close(g, [-1.1])
+
+
+# ---------------------------------------------------------------------------------------------- CISPO (2506.13585)
+
+def test_cispo_clips_the_weight_and_keeps_every_gradient():
+    # approx: r = pi/pi_k with pi_k = 1/2 on every token; eps_low_is = 1 (no lower bound), eps_high_is = 0.28.
+    cfg = ObjectiveConfig(loss="cispo", eps_low_is=1.0, eps_high_is=0.28)
+    logp_k = t([L(0.5)] * 4)
+    pi = t([0.75, 0.25, 0.55, 1.0])          # r = 1.5, 0.5, 1.1, 2.0
+    adv = t([1.0, 1.0, -1.0, -1.0])
+    loss, g = _grad(lambda lp: per_token_loss(lp, logp_k, logp_k, None, adv, cfg)[0], pi.log())
+    # clipped weights r_hat = min(r, 1.28) = 1.28, 0.5, 1.1, 1.28; loss = -r_hat A log pi, gradient -r_hat A
+    close(loss, [-1.28 * L(0.75), -0.5 * L(0.25), 1.1 * L(0.55), 1.28 * L(1.0)])
+    close(g, [-1.28, -0.5, 1.1, 1.28])  # the clipped tokens (0 and 3) keep a gradient, unlike eq. 6
+    _, diag = per_token_loss(pi.log(), logp_k, logp_k, None, adv, cfg)
+    close(diag["clip_high"], [1, 0, 0, 1])
+    close(diag["clip_low"], [0, 0, 0, 0])
+    close(diag["ratio"], [1.5, 0.5, 1.1, 2.0])
+    # a lower bound: eps_low_is = 0.2 raises r = 0.5 to 0.8
+    cfg = ObjectiveConfig(loss="cispo", eps_low_is=0.2, eps_high_is=0.28)
+    _, g = _grad(lambda lp: per_token_loss(lp, logp_k, logp_k, None, adv, cfg)[0], pi.log())
+    close(g, [-1.28, -0.8, 1.1, 1.28])
+
+
+def test_cispo_exact_anchor_and_a_masked_token():
+    # exact: r = pi/alpha. pi = pi_k (first step), pi_k/alpha = 0.5, 1.2, 3.0; A = +1.
+    cfg = ObjectiveConfig(loss="cispo", ratio_anchor="exact", eps_low_is=0.2, eps_high_is=0.28)
+    logp_k, logp_alpha = t([L(0.2), L(0.3), L(0.3)]), t([L(0.4), L(0.25), L(0.1)])
+    loss, g = _grad(lambda lp: per_token_loss(lp, logp_alpha, logp_k, None, t([1.0] * 3), cfg)[0], logp_k)
+    close(g, [-0.8, -1.2, -1.28])  # clip(0.5) = 0.8 (the lower bound), 1.2 inside, clip(3) = 1.28
+    close(loss, [-0.8 * L(0.2), -1.2 * L(0.3), -1.28 * L(0.3)])
+    # token_mask [0.4, 2]: pi_k/alpha = 3 leaves the band; its r = 0 would be raised to 0.8 by the clip,
+    # so CISPO drops the masked token explicitly.
+    cfg = ObjectiveConfig(loss="cispo", ratio_anchor="exact", eps_low_is=0.2, eps_high_is=0.28,
+                          is_correction="token_mask", is_floor=0.4, is_cap=2.0)
+    _, g = _grad(lambda lp: per_token_loss(lp, logp_alpha, logp_k, None, t([1.0] * 3), cfg)[0], logp_k)
+    close(g, [-0.8, -1.2, 0.0])
+
+
+def test_cispo_token_mean_over_a_ragged_batch():
+    # The preset's aggregation: every token of the batch weighs 1 / num_tokens, clipped or not.
+    cfg = ObjectiveConfig(loss="cispo", aggregation="token_mean", eps_high_is=0.28)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    w = token_weights(mask, torch.ones(2, dtype=D), cfg, num_seqs=2, num_tokens=3, max_len=3)
+    logp_k = torch.zeros(2, 3, dtype=D)
+    logp = t([[L(2.0), L(1.1), 0.0], [L(0.5), 0.0, 0.0]])  # r = 2, 1.1 | 0.5
+    lp = logp.clone().requires_grad_(True)
+    loss, stats = objective(lp, logp_k, logp_k, None, t([1.0, -2.0]), w, cfg)
+    loss.backward()
+    close(lp.grad, [[-1.28 / 3, -1.1 / 3, 0.0], [2.0 * 0.5 / 3, 0.0, 0.0]])
+    close(loss, (-1.28 * L(2.0) - 1.1 * L(1.1) + 2.0 * 0.5 * L(0.5)) / 3)
+    assert float(stats["clip_high_sum"]) == 1 and float(stats["num_tokens"]) == 3
 
 
 # ---------------------------------------------------------------------------------------------- aggregation

@@ -11,6 +11,8 @@ from grpo import objective as O
 from grpo.models import load_model
 from tiny_models import make_tiny_model_dir
 
+# Every test here reads steps that train.py's own functions took under torchrun (the `results` fixture).
+pytestmark = pytest.mark.torchrun
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "fsdp_step_worker.py")
 # fp32 compute whatever the machine (model.dtype auto is bf16 where the CPU multiplies bf16): these
@@ -46,6 +48,21 @@ def test_two_ranks_equal_one_rank(results):
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
     assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-7)
+
+
+@pytest.mark.parametrize("loss", ["gspo", "gspo_token"])
+def test_a_sequence_level_loss_gives_the_same_step_on_two_ranks(results, tmp_path, loss):
+    """GSPO needs whole sequences (log-probs, then its torch definition with autograd, not the fused
+    head): 2 ranks give the 1-rank losses, gradient norms and update, with micro-batches."""
+    model_dir, _, _ = results
+    overrides = OVERRIDES + [f"objective.loss={loss}"]
+    one = run_worker(model_dir, tmp_path / "one.json", 1, tmp_path, overrides=overrides)
+    two = run_worker(model_dir, tmp_path / "two.json", 2, tmp_path, overrides=overrides)
+    assert one["micro_batches"] > 1
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
+    assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-7)
+    assert one["grad_norms"][0] > 0
 
 
 def test_closing_frees_the_process_group_while_python_runs(results):
