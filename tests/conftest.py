@@ -15,9 +15,25 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+TIERS = ("quick", "torchrun", "vllm")
+
+
+def tier(item) -> str:
+    """A test's tier: vllm (it starts a real vLLM engine), torchrun (it starts child processes:
+    torchrun ranks, the CLIs, the AOT compiler, pip's resolver), else quick (in-process, seconds)."""
+    for name in ("vllm", "torchrun"):
+        if item.get_closest_marker(name) is not None:
+            return name
+    return "quick"
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `last_in_module` (they stop a module-scoped server) run after the rest of their
-    module, wherever they are written: a test added below one of them once found the server gone."""
+    """Every test gets exactly one tier marker (make test-quick / test-torchrun / test-vllm select
+    them; `make test` runs all three). Tests marked `last_in_module` (they stop a module-scoped
+    server) run after the rest of their module, wherever they are written: a test added below one
+    of them once found the server gone."""
+    for item in items:
+        item.add_marker(getattr(__import__("pytest").mark, tier(item)))
     def key(index_item):
         index, item = index_item
         module_first = next(i for i, other in enumerate(items) if other.module is item.module)

@@ -50,6 +50,7 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
     }
 
 
+@pytest.mark.torchrun
 def test_each_bad_input_is_one_line_and_exit_2(model_dir, tmp_path):
     (tmp_path / "empty_model").mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",

@@ -303,6 +303,7 @@ def test_export_hf_bf16(world_of_one, model_dir, tmp_path):
     torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.torchrun
 def test_two_ranks_save_and_reload_sharded(world_of_one, model_dir, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MODEL_DIR=str(model_dir),
                RUN_DIR=str(tmp_path / "run"))

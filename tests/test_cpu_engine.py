@@ -20,6 +20,7 @@ def test_bind_values():
         assert bind_cores(other) is None, other
 
 
+@pytest.mark.torchrun
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU affinity")
 def test_restrict_process_reaches_threads_started_before_and_after():
     core = min(os.sched_getaffinity(0))

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from grpo.cpu.memory import SETTINGS, malloc_env
 
 # A fresh process frees and re-allocates a 113 MB tensor (SmolLM2's embedding in fp32) and a 57 MB
@@ -30,6 +32,7 @@ def _faults_per_round(how: str, env: dict | None = None) -> float:
     return float(out.stdout.split()[-1])
 
 
+@pytest.mark.torchrun
 def test_keep_freed_memory_removes_the_page_faults_of_re_allocation():
     # 170 MB touched per round = ~41.5k pages of 4 KiB when every block is mapped afresh
     default = _faults_per_round("default")
@@ -38,6 +41,7 @@ def test_keep_freed_memory_removes_the_page_faults_of_re_allocation():
     assert kept < default / 3, (default, kept)
 
 
+@pytest.mark.torchrun
 def test_the_environment_form_has_the_same_effect_in_a_child():
     env = {**os.environ, **malloc_env()}
     assert _faults_per_round("default", env) < _faults_per_round("default") / 3

@@ -126,6 +126,7 @@ def _run_plot(args):
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.torchrun
 def test_plot_script_draws_reward_and_eval_panels(tmp_path):
     import json
 
@@ -146,6 +147,7 @@ def test_plot_script_draws_reward_and_eval_panels(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.torchrun
 def test_plot_script_bad_input_is_one_readable_line(tmp_path):
     result = _run_plot([str(tmp_path / "missing-run")])
     assert result.returncode != 0
@@ -248,6 +250,7 @@ def _fake_hf_dir(path):
     return path
 
 
+@pytest.mark.torchrun
 def test_eval_bad_input_exit_code_of_the_real_process(tmp_path):
     # An explicit model: a fresh clone has no .cache/models/smollm2 (eval.py's default) yet.
     result = _run_eval(["--model", _fake_hf_dir(tmp_path / "hf"), "--dataset", tmp_path / "missing.jsonl"])

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
+@pytest.mark.torchrun
 def test_dry_run_lists_every_step():
     proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -23,6 +24,7 @@ def test_dry_run_lists_every_step():
     assert proc.stdout.splitlines()[1].split()[0] == "lm_head"
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_smoke_run_passes_every_step_and_writes_one_report(tmp_path):
     report = tmp_path / "report.json"

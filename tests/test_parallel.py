@@ -31,6 +31,7 @@ def test_backend_decision():
         process_group_backend("mps")
 
 
+@pytest.mark.torchrun
 def test_payloads_of_several_mb_round_trip_on_two_ranks(tmp_path):
     proc = torchrun(2, "payload", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -39,6 +40,7 @@ def test_payloads_of_several_mb_round_trip_on_two_ranks(tmp_path):
     assert (r0["sum_rank"], r0["sum_one"], r0["max"]) == (1.0, 2.0, 10.0) == (r1["sum_rank"], r1["sum_one"], r1["max"])
 
 
+@pytest.mark.torchrun
 def test_process_group_timeout_is_the_configured_one(tmp_path):
     """Rank 1 waits in a broadcast while rank 0 is busy for 4 s: a 1 s time-out aborts it, the
     configured 60 s lets it through (NCCL's default of 10 minutes would abort a vLLM start-up)."""
@@ -50,6 +52,7 @@ def test_process_group_timeout_is_the_configured_one(tmp_path):
     assert json.loads((tmp_path / "long.1").read_text())["ok"]
 
 
+@pytest.mark.torchrun
 def test_a_run_directory_every_rank_must_see(tmp_path):
     """Checkpoints write every rank's files into a directory rank 0 creates: without a shared
     filesystem the other nodes' files go elsewhere and rank 0 waits for them. Checked at start-up on

@@ -347,6 +347,7 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.torchrun
 def test_child_dies_with_its_parent(tmp_path):
     """A trainer killed with SIGKILL (no atexit) still takes the server down with it."""
     pid_file = tmp_path / "child.pid"
@@ -371,6 +372,7 @@ def test_child_dies_with_its_parent(tmp_path):
         pytest.fail("the child outlived its parent by 10 s")
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("executor,engine_processes", [("in_process", 1), ("vllm", 2)])
 def test_the_engine_dies_with_a_server_killed_during_start_up(tiny, tmp_path, executor, engine_processes):
     """`python -m grpo.serving.server` killed while its engine loads (SIGKILL: no handler of its own runs)
@@ -565,6 +567,7 @@ def test_concurrent_uploads_of_one_version_give_one_success_and_one_409(server, 
         hf, sd, tiny["prompt_ids"], 12, tiny["tok"].eos_token_id)
 
 
+@pytest.mark.torchrun
 def test_weights_root_must_be_own_private_directory(tmp_path):
     from grpo.serving.weights_check import check_weights_root
     from grpo.serving.weights_dir import WeightPushError

@@ -41,6 +41,7 @@ def test_grid_points_are_named_points_times_the_axes():
             sweep.grid_points(named, axes)
 
 
+@pytest.mark.torchrun
 def test_print_gives_one_portable_command_per_run(tmp_path):
     out = subprocess.run(sweep_cmd("--grid", "grpo.v=1,2", "--seeds", "0,1", "--name", "s", "--out-dir", tmp_path,
                                    "--nproc-per-node", 7, "--print"), capture_output=True, text=True, timeout=120)
@@ -53,6 +54,7 @@ def test_print_gives_one_portable_command_per_run(tmp_path):
     assert "log.group=s/v=2" in lines[3] and '"point=v=2"' in lines[3] and '"seed=1"' in lines[3]
 
 
+@pytest.mark.torchrun
 def test_a_bad_grid_key_is_one_line_and_exit_2(tmp_path):
     out = subprocess.run(sweep_cmd("--grid", "grpo.vv=1,2", "--out-dir", tmp_path), capture_output=True, text=True,
                          timeout=120)
@@ -60,6 +62,7 @@ def test_a_bad_grid_key_is_one_line_and_exit_2(tmp_path):
     assert out.stderr.count("\n") == 1 and "grpo.vv" in out.stderr and "run vv=1-s0" in out.stderr, out.stderr
 
 
+@pytest.mark.torchrun
 def test_only_runs_the_named_runs_and_says_so(tmp_path):
     """--only (one node of a cluster job): the other runs are not touched, and the closing line
     counts what was run, not the whole sweep (it once said "all 4 runs done" after running one)."""
