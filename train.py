@@ -84,7 +84,7 @@ def build_policy(cfg: TrainConfig, device: torch.device, trainable: bool) -> Pol
     native_bf16 = on_gpu or multiplies_bf16()
     if cfg.model.dtype == "bfloat16" and not native_bf16 and trainable:
         warnings.warn("model.dtype=bfloat16 on a CPU without native bf16 (no AMX / AVX512-BF16): PyTorch emulates "
-                      "it, ~30x slower than float32 here; model.dtype=auto chooses for the machine")
+                      "it, many times slower than float32; model.dtype=auto chooses for the machine")
     compute = training_dtype(cfg.model.dtype, on_gpu, native_bf16)
     param_dtype = getattr(torch, compute) if compute else None
     if cfg.optim.share_prompts:

@@ -89,7 +89,7 @@ def run(model_dir: Path, name: str, out_dir: Path, iterations: int, extra: list[
             "s_per_1000_completion_tokens": round(1000 * mean["iteration"] / completion_tokens, 2),
             "s_per_1000_train_tokens": round(1000 * mean["iteration"] / max(train_tokens, 1), 2),
             "reward_mean": round(sum(r["reward_mean"] for r in rows) / len(rows), 3),
-            "server_threads": [int(r["server_threads"]) for r in rows],
+            "server_threads": [int(r.get("server_threads", 0)) for r in rows],  # a CPU engine's (grpo/cpu)
             "iterations_averaged": len(rows), "wall_s_total": round(time.time() - t0, 1)}
 
 

@@ -160,8 +160,8 @@ def shard_model(wrapper: torch.nn.Module, lm: torch.nn.Module, param_dtype: torc
     compile_layers: torch.compile each decoder layer before sharding it (torchtitan's order), with
     dynamic shapes, since every micro-batch has its own rows and length: one compiled graph serves
     every layer and every shape. What it fuses is the elementwise work between the matmuls (RMSNorm
-    with its fp32 round trip, rotary, SiLU * up, residual adds): SmolLM2 on this 2-core AMX CPU,
-    micro-batches of 5-9 x 218-230 tokens, 3.47-3.91 s -> 3.16-3.37 s, first step 14-30 s.
+    with its fp32 round trip, rotary, SiLU * up, residual adds); the first step pays the
+    compilation (docs/benchmarks has the figures).
 
     param_dtype=bf16 gives the usual mixed precision (bf16 compute, fp32 master weights and fp32
     gradient reduction); None keeps fp32 compute (CPUs without native bf16).

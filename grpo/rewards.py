@@ -88,16 +88,6 @@ def boxed_contents(text: str) -> list[str]:
     return outermost
 
 
-def extract_answer(text: str) -> Optional[str]:
-    """The final answer as written: contents of the last outermost \\boxed{...}, None if there is none.
-
-    Linear in len(text), but pure Python (~1 s per megabyte of braces): for untrusted text in a
-    trainer, prefer info["extracted"] from RewardScorer.score, computed in time-bounded workers.
-    """
-    boxes = boxed_contents(text)
-    return boxes[-1].strip() if boxes else None
-
-
 def gold_to_latex(gold: str) -> str:
     """Gold answer as text math-verify extracts reliably: \\boxed{gold} (a raw '#### N' gives N)."""
     gold = gold.strip()

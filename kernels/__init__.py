@@ -7,10 +7,9 @@
                       objective_fn, with_entropy, ...)                     -> (loss, stats, logp, entropy)
 
 Memory: lm_head_logprobs / lm_head_objective never hold more than one [chunk_tokens, V] block of
-logits (bench/kernels.py: ~5% of the naive path's memory above the gradients at Qwen2.5-0.5B sizes).
-lm_head_logprobs recomputes each chunk's logits in backward (4 matmuls instead of 3, ~1.3x time on
-CPU); lm_head_objective, when the loss is exactly the objective of logp, computes the gradients
-during the forward (3 matmuls, ~1.0x). Logits are fp32 whatever the weights' dtype (see lm_head.py).
+logits (bench/kernels.py measures it against the naive path; docs/benchmarks). lm_head_logprobs
+recomputes each chunk's logits in backward (4 matmuls instead of 3); lm_head_objective, when the
+loss is exactly the objective of logp, computes the gradients during the forward (3 matmuls). Logits are fp32 whatever the weights' dtype (see lm_head.py).
 Target ids < 0 are ignored rows.
 
 backend (KernelConfig.backend, the `kernels.backend` config key; the `backend=` argument of each

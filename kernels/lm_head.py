@@ -118,7 +118,7 @@ class _HeadGemms:
         """out [c, H] (hidden's dtype) = dlogits [c, V] fp32 @ weight."""
         if self.strategy in ("out_dtype", "bf16_math") and out.dtype == self.weight.dtype:
             # bf16 operands as in any bf16 backward (dlogits rounded once), fp32 accumulation inside
-            # (cuBLAS; oneDNN on a CPU with bf16 hardware), the output in hidden's bf16.
+            # (cuBLAS; a CPU's registered bf16 math mode), the output in hidden's bf16.
             torch.mm(dlogits.to(self.weight.dtype), self.weight, out=out)
         elif out.dtype == self.weight32.dtype:
             torch.mm(dlogits, self.weight32, out=out)

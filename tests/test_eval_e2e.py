@@ -18,7 +18,8 @@ from grpo.data import DataConfig, build_prompt, encode_prompt, load_problems
 from grpo.evaluation import EvalConfig, evaluate, score_completions, summarize
 from grpo.models import load_tokenizer
 from tiny_models import make_tiny_model_dir
-from grpo.rewards import RewardConfig, RewardScorer, extract_answer
+from grpo.rewards import RewardConfig, RewardScorer
+from test_rewards import extract_answer
 
 pytestmark = pytest.mark.vllm
 

@@ -7,14 +7,25 @@ import json
 import random
 import re
 import time
+from typing import Optional
 
 import pytest
 
 from grpo.data import REPO_ROOT
-from grpo.rewards import RewardConfig, RewardScorer, boxed_contents, extract_answer, gold_to_latex
+from grpo.rewards import RewardConfig, RewardScorer, boxed_contents, gold_to_latex
 
 GSM8K_TEST = REPO_ROOT / "../shared/data/gsm8k_test.jsonl"
 TIMEOUT_S = 3.0
+
+
+def extract_answer(text: str) -> Optional[str]:
+    """The final answer as written: contents of the last outermost \\boxed{...}, None if there is none.
+
+    The reference the tests compare RewardScorer's info["extracted"] with (the trainer takes that
+    one, computed in time-bounded workers).
+    """
+    boxes = boxed_contents(text)
+    return boxes[-1].strip() if boxes else None
 
 
 @pytest.fixture(scope="module")

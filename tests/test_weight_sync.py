@@ -7,10 +7,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from grpo.serving.weights_check import check_weights_dir, resolve_under_root, verify_weights_dir
+from grpo.serving.weights_check import check_hashes, check_weights_dir, resolve_under_root
 from grpo.serving.weights_dir import (SERVING_MARKER, SPARE_FILE, WeightPushError, list_weights_dirs, prune_weights,
                                       weights_dir_name)
 from grpo.serving.weights_writer import write_weights
+
+
+def verify_weights_dir(path, root):
+    """What the server checks of a push before serving it: everything but the hashes, then the hashes."""
+    manifest = check_weights_dir(path, root)
+    check_hashes(manifest)
+    return manifest
 
 
 def _config_dir(tmp_path, tie=False):

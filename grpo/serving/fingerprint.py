@@ -77,8 +77,8 @@ def _renames(engine: dict) -> dict[str, str]:
 def unseen_by_fingerprint(engine: dict) -> Callable[[str], bool]:
     """From a fingerprint reply: whether a pushed tensor lands in an engine parameter the fingerprint
     cannot see (numel 0: vLLM's CPU backend packs linear weights into oneDNN handles). Their moments
-    are never compared, so the next push need not compute them: on CPU that is 4/5 of SmolLM2's
-    weights, whose moments took 0.11-0.23 s on a core the engine's reload wanted."""
+    are never compared, so the next push need not compute them (on a CPU engine, most of a model's
+    weights), on a core the engine's reload wants."""
     renames, opaque = _renames(engine), {k for k, v in engine["params"].items() if _opaque(v)}
     return lambda name: engine_param_name(name, renames) in opaque
 

@@ -54,7 +54,7 @@ class ServerConfig:
     #                                     else the run dir); attach with push_mode path: the server's own root
     keep_last: int = 2  # weight directories kept after each push (>= 1; the served one is always kept)
     push_mode: Literal["path", "bytes"] = "path"  # path: shared filesystem; bytes: file in the request body
-    weights_hash: Literal["sha256", "blake3"] = "blake3"  # manifest checksum: blake3 2.5x sha256 here (SHA-NI), more without
+    weights_hash: Literal["sha256", "blake3"] = "blake3"  # manifest checksum: blake3 is faster than sha256 (docs/benchmarks)
     startup_timeout_s: float = 600.0  # launch/restart waits this long for health, then shows the log
     request_timeout_s: float = 600.0  # one HTTP request (a whole generation batch) may take this long
     upload_timeout_s: float = 600.0  # launched server: a bytes-mode upload's body must arrive within this

@@ -58,6 +58,12 @@ def _header_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype, metadata
     raw += b" " * (-len(raw) % 8)  # the format pads the header so tensor data is 8-byte aligned
     return len(raw).to_bytes(8, "little") + raw
 
+def copy_threads() -> int:
+    """Threads for the writer's copies: all of this process's cores but the hash thread's."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch.get_num_threads(), cores - 1))
+
+
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, hash_algo: str = "sha256",
                       metadata: Optional[dict[str, str]] = None, reuse: Optional[Path] = None) -> tuple[int, str]:
     """Write `tensors` (any device, layout and float dtype) as one safetensors file with every
@@ -65,7 +71,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch
 
     The file is sized first and memory-mapped, and each tensor is copied straight into its place:
     the cast, the device-to-host copy and the write are one pass, with no intermediate tensor (a
-    fresh 269 MB cast buffer alone costs more in page faults than the copy). A second thread
+    fresh cast buffer alone costs more in page faults than the copy). A second thread
     hashes each tensor's bytes, in file order, as soon as they are in place (hashlib and blake3
     release the GIL), so the hash overlaps the copying.
 
@@ -99,11 +105,10 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch
 
             hash_thread = threading.Thread(target=_hash_in_order, name="weights-hash", daemon=True)
             hash_thread.start()
-            # The copies on one thread: the hash thread has the next core. A cast-copy is memory-bound
-            # (0.03 s for SmolLM2 on 1 or 2 threads), and a 2-thread team sharing a core with the
-            # hash waits at every barrier.
+            # The copies on every core but one: the hash thread has that one. A thread team that
+            # shares a core with the hash waits at every barrier.
             threads_before = torch.get_num_threads()
-            torch.set_num_threads(1)
+            torch.set_num_threads(copy_threads())
             try:
                 view[: len(header)] = header
                 ready.put((0, len(header)))
