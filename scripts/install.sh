@@ -20,7 +20,18 @@ fi
 echo "[install] $flavour set from $req into $VENV (a few minutes on first run)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -r "$req"
+# Not -q: on a conflict only pip's normal output names its cause ("The conflict is caused by: ...").
+# tests/test_install_sets.py resolves both sets the same way without installing anything.
+log="$VENV/.grpo-pip.log"
+if ! "$VENV/bin/python" -m pip install -r "$req" >"$log" 2>&1; then
+  hint=""
+  if [ "$flavour" = cpu ]; then
+    hint=" (torch 2.13.0+cpu is not on PyPI: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)"
+  fi
+  echo "[install] pip could not install the $flavour set from $req$hint; pip says (all of it in $log):" >&2
+  sed -n '/^ERROR: /,$p' "$log" | grep -v -e '^WARNING: Location' -e '^ *$' >&2 || tail -n 20 "$log" >&2
+  exit 1
+fi
 if [ "$flavour" = cpu ]; then
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
