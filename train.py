@@ -47,6 +47,7 @@ from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_j
                            gather_full_state_dict, init_distributed, launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, Policy
 from grpo.progress import Progress
+from grpo.recording import record_batch
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
 from grpo.serving.inference import InferenceServer, check_context_fits, serving_dtype
@@ -155,6 +156,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
                          node_rank=env.node_rank, memory_fraction=cfg.server.gpu_memory_utilization,
                          server_gpus=cfg.server.tensor_parallel_size)
     info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s)
+    cfg.log.run_name = shared_run_name(cfg)
     if cfg.grpo.batch_prompts % info.world_size:
         fits = [n for n in range(1, cfg.grpo.batch_prompts + 1) if cfg.grpo.batch_prompts % n == 0]
         raise ConfigError(f"grpo.batch_prompts: {cfg.grpo.batch_prompts} prompts do not split over "
@@ -216,6 +218,13 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     return run, progress
 
 
+def shared_run_name(cfg: TrainConfig) -> str:
+    """Rank 0's run name on every rank (collective). A default name holds its rank's start time:
+    ranks that started on either side of a second, or nodes started apart, would otherwise write
+    into different run directories."""
+    return broadcast_json(cfg.log.run_name)
+
+
 def named_input(key: str, load):
     """load(), with a data error's one line prefixed by the config section it came from."""
     try:
@@ -271,7 +280,7 @@ def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
     version = progress.weights_version + 1
     pushed = run.server.push(full_state, version, step=progress.step) if run.dist.is_main else None
     pushed = broadcast_json(pushed and {"bytes": float(pushed["bytes"]), "weights_dir": str(pushed["weights_dir"])})
-    progress = replace(progress, weights_version=version, weights_dir=pushed["weights_dir"])
+    progress = progress.after_push(version, pushed["weights_dir"])
     return progress, {"bytes": pushed["bytes"], "seconds": time.time() - t0}
 
 
@@ -522,6 +531,8 @@ def main(argv=None) -> int:
 
                 # B prompts x G completions from alpha; rewards, advantages (eq. 2), mask (eq. 8)
                 rollout = sample_batch(run, progress, k, batch_seed(cfg, stage, k))
+                if cfg.log.save_rollouts and run.dist.is_main:  # the batch as trained on (docs/offpolicy.md)
+                    record_batch(run.run_dir, stage, k, batch_seed(cfg, stage, k), rollout)
                 if run.dist.is_main and run.sample_ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
                     run.sample_ahead.start(run, progress, k + 1, batch_seed(cfg, stage, k + 1))
                 micro_batches, denominators, shape = plan_batch(run, rollout)
@@ -535,8 +546,8 @@ def main(argv=None) -> int:
                     progress = progress.after_step(finite)
                     train_stats = finalize_stats(stats)
                     row = metrics.train_row(
-                        progress, stage, k, it, rollout.stats, train_stats,
-                        entropy=entropy_sum / max(train_stats["num_tokens"], 1.0), grad_norm=grad_norm,
+                        progress, stage, k, it, rollout.stats, train_stats, sampled_version=rollout.weights_version,
+                        entropy=metrics.per_token(entropy_sum, train_stats["num_tokens"]), grad_norm=grad_norm,
                         lr=run.scheduler.get_last_lr()[0], time_train=time.time() - t0, shape=shape,
                         time_sync=push["seconds"] if it == 0 else 0.0, sync_bytes=push["bytes"] if it == 0 else 0.0,
                         iteration_seconds=time.time() - t_iter)

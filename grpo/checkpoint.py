@@ -114,15 +114,22 @@ def check_shared_directory(path: str | os.PathLike, key: str = "checkpoint.dir")
     others in a barrier for hours; here every rank stops at start-up with one line instead."""
     import secrets
 
-    path = Path(path)
-    name = None
-    if _rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        name = f".shared-{secrets.token_hex(8)}"
-        (path / name).write_text(f"{os.uname().nodename}\n")
     from grpo.parallel import broadcast_json
 
-    name = broadcast_json(name)
+    path = Path(path)
+    made = None  # rank 0: the file's name, or why it could not be made (every rank then stops alike)
+    if _rank() == 0:
+        name = f".shared-{secrets.token_hex(8)}"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / name).write_text(f"{os.uname().nodename}\n")
+            made = {"name": name}
+        except OSError as e:
+            made = {"error": f"{type(e).__name__}: {e}"}
+    made = broadcast_json(made)
+    if "error" in made:
+        raise CheckpointError(f"{key}: rank 0 cannot write into {path} ({made['error']})")
+    name = made["name"]
     seen = (path / name).is_file()
     everywhere = _all_ok(seen)
     _barrier()
@@ -355,7 +362,7 @@ class Checkpointer:
             rng_path.parent.mkdir(parents=True, exist_ok=True)
             save_file(rng_tensors, str(rng_path), metadata=rng_meta)
             fsync_file(rng_path)
-        except OSError as e:
+        except Exception as e:  # an OSError, or safetensors' own error for the same I/O failure
             why = f"{type(e).__name__}: {e}"
         if not _all_ok(why is None):  # a failing rank must not leave the others waiting in a barrier
             raise CheckpointError(f"checkpoint save: rank {_rank()} {why or 'waited for a rank that could not write'} "

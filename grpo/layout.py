@@ -125,6 +125,9 @@ def plan_layout(visible: list[str], *, server_device: str, attached: bool, rank:
         return DeviceLayout("cpu", launches, None, None, False, server_on_cpu=not attached)
     n = len(visible)
     listed = f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
+    if server_device == "cpu" and server_gpus > 1 and not attached:
+        raise LayoutError(f"server.tensor_parallel_size: {server_gpus} with server.device=cpu: a CPU engine runs "
+                          f"on one process (use 1)")
     if attached or node_rank > 0 or server_device == "cpu":
         # No local server GPU: every visible GPU trains.
         if local_world_size > n:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from grpo.progress import alpha_lag
+
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
@@ -74,6 +76,8 @@ KEY_GROUPS: dict[str, str] = {
     "kl_pik_alpha": "bound",
     "M_*": "bound",
     "bound_*": "bound",
+    # how stale alpha is: pushes and optimizer steps since the weights that sampled the batch
+    "alpha_lag_*": "bound",
 }
 
 # Config keys whose string values are credentials. `max_tokens` or `pad_token_id` do not match
@@ -95,6 +99,7 @@ class LogConfig:
     out_dir: str = "runs"  # runs go to <out_dir>/<run_name>/
     sample_table_every: int = 10  # log a table of prompts/completions/rewards every N iterations (0: never)
     progress: bool = True  # a progress bar on rank 0's stderr
+    save_rollouts: bool = False  # write each batch as trained on to <run>/rollouts/ (Parquet; docs/offpolicy.md)
 
     def __post_init__(self):
         if not isinstance(self.project, str) or not self.project.strip():
@@ -115,6 +120,8 @@ class LogConfig:
             raise ValueError(f"sample_table_every: must be an integer >= 0 (0: never), got {self.sample_table_every!r}")
         if not isinstance(self.progress, bool):
             raise ValueError(f"progress: expected true/false, got {self.progress!r}")
+        if not isinstance(self.save_rollouts, bool):
+            raise ValueError(f"save_rollouts: expected true/false, got {self.save_rollouts!r}")
 
 
 def group_key(key: str) -> str:
@@ -183,6 +190,12 @@ class _NullBar:
         pass
 
 
+def wandb_payload(row: dict) -> dict:
+    """A row as W&B gets it: grouped names, no step (W&B's own), no strings, and a NaN some caller
+    passed left out as missing, so W&B's summary and charts skip it as the tables do."""
+    return {group_key(k): v for k, v in row.items() if k != "step" and not missing(v) and not isinstance(v, str)}
+
+
 class MetricsLogger:
     """metrics.jsonl + W&B + progress bar on rank 0; a logger that does nothing on other ranks."""
 
@@ -246,9 +259,7 @@ class MetricsLogger:
             f.write(line + "\n")
             f.flush()
         if self._wandb_step_ok(step, "log"):
-            payload = {group_key(k): v for k, v in row.items()
-                       if k != "step" and v is not None and not isinstance(v, str)}
-            self._run.log(payload, step=step)
+            self._run.log(wandb_payload(row), step=step)
 
     def _wandb_step_ok(self, step: int, what: str) -> bool:
         """W&B steps only move forward: data for an earlier step would be dropped, so say so."""
@@ -357,31 +368,55 @@ TRAIN_KEYS = {
 }
 
 
+def missing(value: Any) -> bool:
+    """A statistic of an empty set: NaN where it is computed (a float, a numpy scalar or a 0-d
+    tensor). Infinities are values (a ratio that blew up), not missing."""
+    if value is None:
+        return True
+    if isinstance(value, (bool, int, str)):
+        return False
+    try:
+        return math.isnan(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
 def defined(stats: dict) -> dict:
     """The statistics that exist: one over an empty set (no active token, no counted sequence, no
     group with nonzero variance) is NaN where it is computed and is left out of the row, so a
-    table's or a plot's mean over rows never turns NaN."""
-    return {key: value for key, value in stats.items() if not (isinstance(value, float) and math.isnan(value))}
+    table's or a plot's mean over rows never turns NaN. Missing is the same everywhere: the key is
+    absent from metrics.jsonl and from W&B."""
+    return {key: value for key, value in stats.items() if not missing(value)}
+
+
+def per_token(total: float, num_tokens: float) -> float:
+    """A mean over active tokens: NaN (missing) when there is none, like grpo.objective.finalize_stats."""
+    return total / num_tokens if num_tokens > 0 else math.nan
 
 
 def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_stats: dict, train_stats: dict, *,
-              entropy: float, grad_norm: float, lr: float, time_train: float, time_sync: float, sync_bytes: float,
-              iteration_seconds: float, shape: Optional[dict] = None) -> dict:
+              sampled_version: int, entropy: float, grad_norm: float, lr: float, time_train: float, time_sync: float,
+              sync_bytes: float, iteration_seconds: float, shape: Optional[dict] = None) -> dict:
     """The row of one optimizer step. progress: grpo.progress.Progress after the step;
-    train_stats: grpo.objective.finalize_stats of the step's objective; entropy: of pi_k on the
-    batch (per token); time_sync / sync_bytes: the push before this iteration (0 after its first
+    sampled_version: the weights version that sampled the batch (grpo.rollout.Rollout.weights_version),
+    for alpha's lag (grpo.progress.alpha_lag); train_stats: grpo.objective.finalize_stats of the step's
+    objective; entropy: of pi_k on the batch per active token (`per_token`: NaN, so missing, when no
+    token is active); time_sync / sync_bytes: the push before this iteration (0 after its first
     step); iteration_seconds: wall time since the iteration began, push and eval included (logged as
     time_iteration, and the denominator of tokens_per_s); shape: train.plan_batch's train_tokens (the
     prompt + completion tokens the train part runs forward and backward, all ranks; masked groups
     are skipped) and train_padded_tokens (the same with the micro-batches' padding)."""
     batch_tokens = rollout_stats["prompt_tokens"] + rollout_stats["completion_tokens"]
+    # progress is after this step; the batch's first step began sgd_iteration + 1 steps ago
+    lag_pushes, lag_steps = alpha_lag(progress, sampled_version, progress.step - sgd_iteration - 1)
     return {
         "step": progress.step, "stage": stage, "iteration": iteration, "sgd_iteration": sgd_iteration,
         "weights_version": progress.weights_version,
+        "alpha_lag_pushes": lag_pushes, **defined({"alpha_lag_steps": lag_steps}),
         **defined({key: rollout_stats[key] for key in ROLLOUT_KEYS}),
-        **rollout_stats.get("engine", {}),  # as the engine reports them (a CPU engine: its threads; a GPU: none)
+        **defined(rollout_stats.get("engine", {})),  # as the engine reports them (CPU: its threads; GPU: none)
         **defined({key: train_stats[name] for key, name in TRAIN_KEYS.items()}),
-        "entropy": entropy, "grad_norm": grad_norm, "lr": lr, "nan_skips": progress.nan_skips,
+        **defined({"entropy": entropy}), "grad_norm": grad_norm, "lr": lr, "nan_skips": progress.nan_skips,
         "time_train": time_train, "time_sync": time_sync, "sync_bytes": sync_bytes,
         "tokens_per_s": batch_tokens / max(iteration_seconds, 1e-9), "time_iteration": iteration_seconds,
         **(shape or {}),
@@ -390,5 +425,5 @@ def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_
 
 def eval_row(step: int, summary: dict) -> dict:
     """The row of a held-out evaluation (grpo.evaluation.evaluate's summary): its numbers under eval/."""
-    return {"step": step, **{f"eval/{k}": v for k, v in summary.items()
-                             if isinstance(v, (int, float))}}
+    return {"step": step, **defined({f"eval/{k}": v for k, v in summary.items()
+                                     if isinstance(v, (int, float))})}

@@ -32,6 +32,7 @@ class Sample:
     correct: float = 0.0  # the correctness part of the reward (pass_rate counts these)
     adv: float = 0.0  # eq. 2 advantage (after RED)
     seq_weight: float = 1.0  # eq. 8 mask / RED weights
+    weights_version: int = 0  # the version of alpha that sampled it (the server's, per batch)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -49,6 +50,14 @@ class Rollout:
     @classmethod
     def from_json(cls, obj: dict) -> "Rollout":
         return cls([Sample(**s) for s in obj["samples"]], obj["stats"], obj["table"])
+
+    @property
+    def weights_version(self) -> int:
+        """The version of alpha that sampled the batch (one server call: one version for all)."""
+        versions = {s.weights_version for s in self.samples}
+        if len(versions) != 1:
+            raise ValueError(f"a batch sampled by several weights versions: {sorted(versions)}")
+        return versions.pop()
 
 
 def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected_version: int,
@@ -81,7 +90,8 @@ def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected
     samples = [
         Sample(group=j // G, prompt_ids=prompt_ids[j // G], completion_ids=list(c.token_ids),
                logp_alpha=[float(x) for x in c.logprobs], truncated=c.finish_reason == "length",
-               reward=float(rewards[j]), correct=float(correct[j]), adv=float(adv[j]), seq_weight=float(seq_weight[j]))
+               reward=float(rewards[j]), correct=float(correct[j]), adv=float(adv[j]), seq_weight=float(seq_weight[j]),
+               weights_version=result.weights_version)
         for j, c in enumerate(completions)
     ]
     lengths = [len(s.completion_ids) for s in samples]

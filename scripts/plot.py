@@ -60,12 +60,19 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def finite(value) -> bool:
+    """A number to aggregate. A statistic of an empty set is missing from the row (grpo.metrics.defined);
+    runs logged before that hold NaN there instead, and a divergence may log an infinity: every
+    mean, band and table here skips them, so one such row never turns an aggregate NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the rows that logged a finite number under `key`."""
     steps, values = [], []
     for row in rows:
         value = row.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        if finite(value):
             steps.append(row["step"])
             values.append(float(value))
     return steps, values
@@ -168,8 +175,7 @@ def curve(rows: list[dict], key: str, axis: str) -> dict[float, float]:
     for row in rows:
         # An eval row names the version it evaluated eval/weights_version (its own summary's field).
         value, x = row.get(key), row.get(axis, row.get(f"eval/{axis}"))
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-                and isinstance(x, (int, float)):
+        if finite(value) and finite(x):
             sums.setdefault(x, []).append(float(value))
     return {x: sum(v) / len(v) for x, v in sorted(sums.items())}
 
@@ -235,7 +241,8 @@ def plot_sweep(points: dict[str, dict[int, list[dict]]], keys: list[str], out: P
 def sweep_table(sweep_dir: Path, manifest: dict, points: dict[str, dict[int, list[dict]]]) -> str:
     """Markdown: per grid point, over seeds, the final held-out pass@1 (mean +- std), pushes,
     optimizer steps, wall time of the run (scripts/sweep.py's record, under the manifest's run
-    name), mean TV(pi_k, alpha) and clip fraction over all optimizer steps."""
+    name), mean TV(pi_k, alpha) and clip fraction over the optimizer steps that have them (a batch
+    whose groups are all masked has neither, see `finite`)."""
     run_names = {(run["point"], run["seed"]): run["name"] for run in manifest["runs"]}
     lines = ["| grid point | seeds | final pass@1 | pushes | optimizer steps | wall time (min) | TV(pi_k, alpha) "
              "| clip fraction |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -245,15 +252,15 @@ def sweep_table(sweep_dir: Path, manifest: dict, points: dict[str, dict[int, lis
             continue
         finals, pushes, steps, walls, tvs, clips = [], [], [], [], [], []
         for seed, rows in seeds.items():
-            evals = [r["eval/pass@1"] for r in rows if isinstance(r.get("eval/pass@1"), (int, float))]
+            evals = [r["eval/pass@1"] for r in rows if finite(r.get("eval/pass@1"))]
             if evals:
                 finals.append(evals[-1])
             train = [r for r in rows if "loss" in r]
-            pushes.append(max((r.get("eval/weights_version") or 0 for r in rows), default=0))
-            pushes[-1] = max(pushes[-1], max((r.get("weights_version", 0) for r in train), default=0))
-            steps.append(max((r["step"] for r in rows), default=0))
-            tvs.extend(r["tv_pik_alpha"] for r in train if isinstance(r.get("tv_pik_alpha"), (int, float)))
-            clips.extend(r["clip_frac"] for r in train if isinstance(r.get("clip_frac"), (int, float)))
+            versions = [r.get("eval/weights_version") for r in rows] + [r.get("weights_version") for r in train]
+            pushes.append(max((v for v in versions if finite(v)), default=0))
+            steps.append(max((r["step"] for r in rows if finite(r["step"])), default=0))
+            tvs.extend(r["tv_pik_alpha"] for r in train if finite(r.get("tv_pik_alpha")))
+            clips.extend(r["clip_frac"] for r in train if finite(r.get("clip_frac")))
             record = sweep_dir / "logs" / f"{run_names[point, seed]}.json"
             if record.is_file():
                 walls.append(json.loads(record.read_text())["wall_s"] / 60)

@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 tests/parallel_worker.py payload OUT_JSON
     torchrun --nproc_per_node=2 tests/parallel_worker.py timeout OUT_JSON TIMEOUT_S SLEEP_S
     torchrun --nproc_per_node=2 tests/parallel_worker.py shared_dir OUT_JSON DIR_RANK0 DIR_RANK1
+    torchrun --nproc_per_node=2 tests/parallel_worker.py run_name OUT_JSON MODEL_DIR
 """
 import hashlib
 import json
@@ -40,6 +41,16 @@ def main():
             result = {"rank": info.rank, "ok": True}
         except CheckpointError as e:
             result = {"rank": info.rank, "ok": False, "error": str(e)}
+    elif mode == "run_name":  # no log.run_name: each rank's default name holds its own start time
+        import train
+
+        if os.environ.get("RANK") == "1":
+            time.sleep(1.2)  # this rank parses its config in a later second than rank 0
+        cfg, _ = train.parse_args(["--config", os.path.join(os.path.dirname(__file__), "..", "configs",
+                                                            "tiny_test.yaml"), f"model.path={sys.argv[3]}"])
+        own = cfg.log.run_name
+        info = init_distributed("cpu")
+        result = {"rank": info.rank, "own": own, "shared": train.shared_run_name(cfg)}
     else:
         timeout_s, sleep_s = float(sys.argv[3]), float(sys.argv[4])
         info = init_distributed("cpu", timeout_s=timeout_s)
@@ -52,7 +63,7 @@ def main():
             result = {"rank": info.rank, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
     with open(f"{out}.{info.rank}", "w") as f:
         json.dump(result, f)
-    if mode in ("payload", "shared_dir") or result["ok"]:
+    if mode in ("payload", "shared_dir", "run_name") or result["ok"]:
         close_distributed()
     else:
         os._exit(0)  # a timed-out gloo group cannot be torn down cleanly

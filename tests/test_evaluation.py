@@ -165,6 +165,7 @@ def _completion(text, n_tokens, finish_reason="stop"):
                       text=text)
 
 
+@pytest.mark.torchrun  # the real scorer's math-verify worker processes
 def test_score_completions_with_the_real_scorer_and_twice_identical():
     from grpo.data import Problem
     from grpo.evaluation import score_completions

@@ -67,6 +67,21 @@ def test_a_run_directory_every_rank_must_see(tmp_path):
         assert "shared by every node" in got["error"] and "\n" not in got["error"]
 
 
+@pytest.mark.torchrun
+def test_ranks_agree_on_the_default_run_name(tmp_path):
+    """A run without log.run_name is named after its start time; a rank that parses its config a
+    second later used another name, hence another run and checkpoint directory (its checkpoint
+    shards went there). Every rank takes rank 0's."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")  # parse_args checks the model path only
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    proc = torchrun(2, "run_name", tmp_path / "name", tmp_path / "model")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"name.{r}").read_text()) for r in (0, 1))
+    assert r0["own"] != r1["own"]  # the ranks did start in different seconds
+    assert r0["shared"] == r1["shared"] == r0["own"]
+
+
 V8 = [str(i) for i in range(8)]
 
 
@@ -140,6 +155,7 @@ def test_device_layouts(case, visible, kw, expected):
     (["0"], dict(local_world_size=1, server_gpus=2), r"server.tensor_parallel_size: 2 GPUs .* need 2 visible GPUs, 1"),
     ([], dict(local_world_size=1, server_gpus=2), r"server.tensor_parallel_size: 2 needs GPUs, this machine shows none"),
     (V8, dict(local_world_size=7, server_gpus=0), r"server.tensor_parallel_size: must be >= 1"),
+    (V8, dict(local_world_size=8, server_gpus=2, server_device="cpu"), r"server.tensor_parallel_size: 2 with server.device=cpu"),
     # c10d rendezvous: a node with 8 trainers that happens to get rank 0 has no GPU left for the server
     (V8, dict(local_world_size=8, node_rank=0), r"on this node, which holds rank 0"),
 ])

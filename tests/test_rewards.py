@@ -14,6 +14,8 @@ import pytest
 from grpo.data import REPO_ROOT
 from grpo.rewards import RewardConfig, RewardScorer, boxed_contents, gold_to_latex
 
+# The scorer's math-verify runs in worker processes: the torchrun tier (child processes).
+pytestmark = pytest.mark.torchrun
 GSM8K_TEST = REPO_ROOT / "../shared/data/gsm8k_test.jsonl"
 TIMEOUT_S = 3.0
 

@@ -330,6 +330,7 @@ def test_killed_server_gives_clear_error_and_generate_restarts_it(server, tiny):
     assert server.pid != old_pid and server.is_alive() and server.weights_version() == version
 
 
+@pytest.mark.torchrun  # starts a real server process (killed at its start-up time-out)
 def test_startup_timeout_shows_log_tail(tmp_path):
     model_dir = make_tiny_model_dir(tmp_path / "model", seed=0)
     cfg = ServerConfig(startup_timeout_s=3.0, weights_root=str(tmp_path / "w"))

@@ -47,8 +47,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_rank_run(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    proc = subprocess.run(train_cmd(2, model_dir, out, "two"), cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=1200)
+    proc = subprocess.run(train_cmd(2, model_dir, out, "two", "log.save_rollouts=true"), cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     (out / "two.stderr").write_text(proc.stderr)
     return out / "two"
@@ -73,6 +73,22 @@ def test_metrics_have_every_key_and_algorithm1_schedule(two_rank_run):
     # in between, and a push moves real bytes.
     assert [r["weights_version"] for r in rows] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [r["sync_bytes"] > 0 for r in rows] == [False, False, False, False, True, False, False, False]
+
+
+def test_each_batch_is_recorded_with_the_weights_that_sampled_it_and_its_lag(two_rank_run):
+    """log.save_rollouts: one Parquet file per batch, in order, each sequence carrying the weights
+    version the real server reported for it; the rows log alpha's lag in optimizer steps: 0 right
+    after a push, (k mod v) * i inside the v-window (v = 2, i = 2)."""
+    from grpo.recording import read_rollouts
+
+    batches = read_rollouts(two_rank_run)
+    assert [(b.column("stage")[0].as_py(), b.column("iteration")[0].as_py()) for b in batches] == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [set(b.column("weights_version").to_pylist()) for b in batches] == [{0}, {0}, {1}, {1}]
+    assert all(b.num_rows == 2 * 8 for b in batches)  # batch_prompts x G
+    rows = [r for r in read_rows(two_rank_run) if "loss" in r]
+    assert [r["alpha_lag_steps"] for r in rows] == [0, 0, 2, 2, 0, 0, 2, 2]
+    assert {r["alpha_lag_pushes"] for r in rows} == {0}
 
 
 def test_reference_swapped_at_stage_boundary(two_rank_run):

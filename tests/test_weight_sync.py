@@ -431,3 +431,38 @@ def test_the_fingerprint_accepts_a_reordered_full_size_layer_and_catches_one_cha
     qkv.view(-1)[i] = -qkv.view(-1)[i]
     layout["ranks"][-1][p + "input_layernorm.weight"][7] += 0.01  # one replica of a norm holds another value
     assert fingerprint_mismatches(pushed, _reply(layout)) == [p + "input_layernorm.weight"]
+
+
+def test_kv_heads_replicated_over_tensor_parallel_ranks_count_once():
+    """R1-Distill-1.5B / Qwen2.5-1.5B have 2 kv heads: on 4 tensor-parallel ranks vLLM gives each
+    rank 3 q heads and a copy of one kv head (num_kv_head_replicas 2). Summed over ranks the copies
+    counted twice and a right load was refused; each replica group now counts its k/v rows once."""
+    from types import SimpleNamespace
+
+    from grpo.serving.engine_weights import merge_rank_fingerprints
+    from grpo.serving.fingerprint import counted_part, fingerprint_mismatches, tensor_moments
+
+    g = torch.Generator().manual_seed(3)
+    head, hidden, q_heads, kv_heads, tp = 128, 1536, 12, 2, 4
+    p = "model.layers.0.self_attn."
+    hf = {p + "q_proj.weight": torch.randn(q_heads * head, hidden, generator=g) * 0.02,
+          p + "k_proj.weight": torch.randn(kv_heads * head, hidden, generator=g) * 0.02,
+          p + "v_proj.weight": torch.randn(kv_heads * head, hidden, generator=g) * 0.02}
+    pushed = {k: tensor_moments(v, rounded_to=torch.bfloat16) for k, v in hf.items()}
+    bf = {k: v.bfloat16() for k, v in hf.items()}
+    replicas, per_rank_q = tp // kv_heads, q_heads // tp
+
+    def fingerprint(count):
+        ranks = []
+        for r in range(tp):
+            kv = slice((r // replicas) * head, (r // replicas + 1) * head)
+            qkv = torch.cat([bf[p + "q_proj.weight"][r * per_rank_q * head:(r + 1) * per_rank_q * head],
+                             bf[p + "k_proj.weight"][kv], bf[p + "v_proj.weight"][kv]])
+            module = SimpleNamespace(num_kv_head_replicas=replicas, tp_rank=r, num_heads=per_rank_q, head_size=head)
+            ranks.append({"params": {p + "qkv_proj.weight": tensor_moments(count(module, qkv))},
+                          "packed": {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}})
+        return merge_rank_fingerprints(ranks)
+
+    assert fingerprint_mismatches(pushed, fingerprint(counted_part)) == []
+    everything = fingerprint(lambda module, t: t)  # what summing every rank's whole slice gives
+    assert fingerprint_mismatches(pushed, everything) == [p + "qkv_proj.weight"]

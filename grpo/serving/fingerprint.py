@@ -56,6 +56,19 @@ def tensor_moments(t: torch.Tensor, rounded_to: Optional[torch.dtype] = None,
     s, q = total.tolist()
     return int(flat.numel()), s, q
 
+def counted_part(module, param: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor-parallel rank's parameter that the merged fingerprint counts. vLLM's
+    fused q/k/v projection replicates the k and v heads over ranks when there are more ranks than kv
+    heads (num_kv_head_replicas > 1): each rank holds its slice of q and a copy of its kv heads, and
+    summed over ranks the copies would count several times. Only the first rank of each replica
+    group counts its k and v rows; the others count their q rows alone. Any other parameter: all of it."""
+    replicas = getattr(module, "num_kv_head_replicas", 1)
+    if replicas <= 1 or getattr(module, "tp_rank", 0) % replicas == 0 or param.dim() == 0:
+        return param
+    q_rows = module.num_heads * module.head_size  # [q | k | v] along the output dimension (dim 0)
+    return param[:q_rows]
+
+
 def pushed_moments(state_dict: dict[str, torch.Tensor], dtype: torch.dtype, model_dir_or_config: str | Path,
                    skip: Optional[Callable[[str], bool]] = None) -> dict[str, tuple[int, float, float]]:
     """tensor_moments of each tensor a push of `state_dict` in `dtype` sends (tied lm_head dropped,

@@ -36,24 +36,41 @@ from grpo.serving.supervisor import SERVER_PID_ENV, die_with_parent
 TOKEN_ENV = "GRPO_SERVER_TOKEN"
 
 
+_forking = [0]  # the pid of the process about to fork, recorded before the fork
+_hooks = [False]  # whether this process's at-fork hooks are registered (a forked child inherits them)
+
+
 def engine_processes_die_with_server() -> None:
     """Tie every process this server's engine starts to this server, whatever executor vLLM picks.
 
     vLLM starts its engine core (and, with tensor parallelism, one worker per GPU) with
-    multiprocessing, by fork or by spawn. A forked child runs the at-fork hook registered here (and
-    inherits it, for its own children); a spawned child imports the server's main module (this
-    one, as __mp_main__), where `_in_engine_process` below runs. Either way the child dies with its
-    direct parent (PR_SET_PDEATHSIG plus a watchdog): the engine core with the server, a
-    tensor-parallel worker with the engine core."""
-    os.environ[SERVER_PID_ENV] = str(os.getpid())
-    os.register_at_fork(after_in_child=lambda: die_with_parent(os.getppid()))
+    multiprocessing, by fork or by spawn. A forked child runs the at-fork hooks registered here (and
+    inherits them, for its own children); a spawned child imports the server's main module (this
+    one, as __mp_main__), where `_in_engine_process` below runs and registers them again. Either way
+    the child dies with the process that started it (PR_SET_PDEATHSIG plus a watchdog on that pid,
+    or at once if it is already gone): the engine core with the server, a tensor-parallel worker with
+    the engine core. The parent's pid is the one the parent recorded itself (before the fork; in
+    SERVER_PID_ENV for spawn), never the child's getppid(), which is init's once the parent died."""
+    os.environ[SERVER_PID_ENV] = str(os.getpid())  # what a spawned child ties itself to
+    if not _hooks[0]:
+        _hooks[0] = True
+        os.register_at_fork(before=lambda: _forking.__setitem__(0, os.getpid()),
+                            after_in_child=lambda: _tie_to(_forking[0]))
+
+
+def _tie_to(parent_pid: int) -> None:
+    try:
+        die_with_parent(parent_pid)
+    except SystemExit:  # the parent died before this child got here: leave no orphan
+        os._exit(1)
+    engine_processes_die_with_server()  # and this process's own children die with it
 
 
 def _in_engine_process() -> None:
-    """Run at import: in a process spawned for this server's engine, tie it to its parent."""
-    pid = os.environ.get(SERVER_PID_ENV)  # set by a server for its own process tree only
+    """Run at import: in a process spawned for this server's engine, tie it to its spawner."""
+    pid = os.environ.get(SERVER_PID_ENV)  # set by a server (or an engine process) for its children
     if pid and int(pid) != os.getpid():
-        die_with_parent(os.getppid())
+        _tie_to(int(pid))
 
 
 _in_engine_process()

@@ -27,10 +27,15 @@ class GRPOWorkerExtension(CPUWorkerMethods):
         qkv_proj / gate_up_proj) so the trainer can fold its HF tensors the same way. Sums and sums
         of squares do not change under the re-layouts a backend may apply (transposes, blocking,
         zero padding), but any changed value moves them."""
-        from grpo.serving.fingerprint import tensor_moments
+        from grpo.serving.fingerprint import counted_part, tensor_moments
 
         model = self.model_runner.get_model()
-        params = {name: tensor_moments(p) for name, p in model.named_parameters()}
+        params, seen = {}, set()
+        for module_name, module in model.named_modules():
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) not in seen:  # a tensor shared by two modules, once (as named_parameters does)
+                    seen.add(id(p))
+                    params[f"{module_name}.{name}" if module_name else name] = tensor_moments(counted_part(module, p))
         packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
         return {"params": params, "packed": packed}
 
