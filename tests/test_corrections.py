@@ -12,17 +12,7 @@ import torch
 
 from grpo.objective import ObjectiveConfig, finalize_stats, objective
 
-D = torch.float64
-L = math.log
-
-
-def t(values):
-    return torch.tensor(values, dtype=D)
-
-
-def close(actual, expected, tol=1e-12):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=D), torch.as_tensor(expected, dtype=D),
-                               rtol=tol, atol=tol)
+from hand_computed import D, L, close, t  # noqa: E402,F401
 
 
 def first_step(cfg, w, adv, weights, garbage_at=None):

@@ -11,18 +11,9 @@ from grpo.objective import (ObjectiveConfig, check_objective_path, finalize_stat
                             objective_of_hidden, objective_path, token_weights)
 from kernels import KernelConfig
 
-D = torch.float64
+from hand_computed import D, L, close, t  # noqa: F401
+
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter on padding lanes
-L = math.log
-
-
-def t(values):
-    return torch.tensor(values, dtype=D)
-
-
-def close(actual, expected, tol=1e-12):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=D), torch.as_tensor(expected, dtype=D),
-                               rtol=tol, atol=tol)
 
 
 # Four sequences (rows), lengths 2, 3, 2, 2 of T = 3; pi_k = alpha, so w = 1. Per-token ratios pi/pi_k

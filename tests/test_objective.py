@@ -23,17 +23,7 @@ from grpo.objective import (
 
 PRESETS = sorted((Path(__file__).resolve().parent.parent / "configs" / "objectives").glob("*.yaml"))
 
-D = torch.float64
-L = math.log
-
-
-def t(values):
-    return torch.tensor(values, dtype=D)
-
-
-def close(actual, expected, tol=1e-12):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=D), torch.as_tensor(expected, dtype=D),
-                               rtol=tol, atol=tol)
+from hand_computed import D, L, close, t  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------------------------------------- config
