@@ -47,7 +47,7 @@ from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_j
                            gather_full_state_dict, init_distributed, launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, Policy
 from grpo.progress import Progress
-from grpo.recording import record_batch
+from grpo.recording import RecordedStream, ReplayError, record_batch
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
 from grpo.serving.inference import InferenceServer, check_context_fits, serving_dtype
@@ -63,10 +63,16 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
     ap = argparse.ArgumentParser(description="GRPO (Algorithm 1 of 2505.22257) with an FSDP2 trainer and a vLLM server")
     ap.add_argument("--config", help="YAML config (configs/*.yaml)")
     ap.add_argument("--resume", action="store_true", help="continue the run from its latest complete checkpoint")
+    ap.add_argument("--replay", metavar="RUN_DIR", help="train on the batches RUN_DIR recorded (log.save_rollouts) "
+                                                        "instead of sampling: no inference server (docs/offpolicy.md)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.v=10 optim.lr=1e-6")
     args = ap.parse_intermixed_args(argv)  # --resume may stand anywhere, also after overrides
     cfg = load_config(TrainConfig, args.config, args.overrides)
     cfg.model.path = resolve_model_path(cfg.model.path)  # a hub id becomes its local snapshot, once
+    if args.replay:
+        cfg.replay = str(Path(args.replay).resolve())
+    if cfg.replay:  # the recorded sampler alpha is fixed: nothing to serve, nothing to evaluate with
+        cfg.eval_data, cfg.eval_every, cfg.grpo.sample_ahead = None, 0, False
     if not cfg.log.run_name:
         # A fresh directory per run: an existing run is only ever continued with --resume.
         cfg.log.run_name = (Path(args.config).stem if args.config else "run") + time.strftime("-%Y%m%d-%H%M%S")
@@ -134,6 +140,7 @@ class Run:
     sampler: Optional[PromptSampler] = None
     eval_problems: Optional[list] = None
     sample_ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
+    recorded: Optional[RecordedStream] = None  # --replay: the batches a run recorded, in place of the server (rank 0)
 
     def close(self) -> None:
         self.sample_ahead.close()
@@ -165,7 +172,11 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     torch.manual_seed(cfg.seed + info.rank)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     sampler = eval_problems = None
+    recorded = None
     if info.is_main:  # bad data is refused before anything slow starts
+        if cfg.replay:
+            recorded = RecordedStream(cfg.replay)
+            recorded.check_covers(cfg.grpo.S, cfg.grpo.M)
         sampler = named_input("data", lambda: make_sampler(cfg.data, cfg.grpo.batch_prompts, seed=cfg.seed))
         if cfg.eval_data is not None:
             eval_problems = named_input("eval_data", lambda: load_problems(cfg.eval_data))
@@ -193,7 +204,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               checkpointer, MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               StopFlag(), serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu), sampler=sampler,
               eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
-              shares_gpu_with_server=layout.shares_gpu)
+              shares_gpu_with_server=layout.shares_gpu, recorded=recorded)
     progress = Progress()
     if resume:
         latest = run.checkpointer.latest()
@@ -207,13 +218,13 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         if info.is_main:
             run.sampler.load_state_dict(saved["sampler"])
         run.logger.truncate_after(progress.step)
-    if info.is_main:
+    if info.is_main and not cfg.replay:
         run.scorer = RewardScorer(cfg.reward)
         run.server = InferenceServer.launch(cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
                                             gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
     # the CPU fence's one hook (nothing off CPU): malloc, the LM head's GEMMs, cores shared with the engine
     tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy], run.sample_ahead, run.server)
-    if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir:
+    if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir and not cfg.replay:
         progress = reserve_alpha(run, progress)
     return run, progress
 
@@ -271,8 +282,11 @@ def reserve_alpha(run: Run, progress: Progress) -> Progress:
 
 def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
     """alpha <- pi_theta: gather the full state dict on rank 0, which the server writes and loads.
-    Collective (every rank gathers its shards). Returns the new progress and {bytes, seconds}."""
+    Collective (every rank gathers its shards). Returns the new progress and {bytes, seconds}.
+    Replaying a recorded run there is no server: the version is counted as a push would count it."""
     t0 = time.time()
+    if run.cfg.replay:
+        return progress.after_push(progress.weights_version + 1, progress.weights_dir), {"bytes": 0.0, "seconds": 0.0}
     full_state = gather_full_state_dict(run.policy.lm, dtype=run.serve_dtype)  # {} on ranks > 0
     if run.shares_gpu_with_server:
         # vLLM's layer-wise reload allocates on the GPU this trainer shares: hand back cached blocks
@@ -293,7 +307,11 @@ def sample_batch(run: Run, progress: Progress, k: int, seed: int) -> Rollout:
     """Rank 0 samples the next prompts, G completions each from alpha, scores them (or takes the
     batch sampled ahead, waiting for it); every rank gets the rollout."""
     rollout = None
-    if run.dist.is_main:
+    if run.dist.is_main and run.recorded is not None:  # --replay: the batch as the recorded run trained on it
+        rollout = run.recorded.rollout(progress.stage, k, run.cfg)
+        rollout.stats["time_wait_generate"] = 0.0
+        rollout = rollout.to_json()
+    elif run.dist.is_main:
         t0 = time.time()
         pending = run.sample_ahead.take(seed)
         rollout = pending.result() if pending else sample_rollout(
@@ -514,7 +532,7 @@ def main(argv=None) -> int:
     try:
         cfg, resume = parse_args(argv)
         run, progress = setup(cfg, resume)
-    except (ConfigError, DataError, ModelPathError, LayoutError) as e:  # bad input: one line, exit 2
+    except (ConfigError, DataError, ModelPathError, LayoutError, ReplayError) as e:  # bad input: one line, exit 2
         print(f"config error: {e}", file=sys.stderr)
         return 2
     try:

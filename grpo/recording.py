@@ -105,3 +105,62 @@ def read_rollouts(run_dir: str | os.PathLike) -> list[pa.Table]:
         return []
     files = sorted((key, p) for p in directory.iterdir() if (key := _batch_key(p.name)) is not None)
     return [pq.read_table(p) for _, p in files]
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay: a recorded stream as the sampler (train.py --replay RUN_DIR)
+
+
+class ReplayError(ValueError):
+    """A recorded stream that cannot stand in for the sampler; the message names the file or key."""
+
+
+class RecordedStream:
+    """The batches a run recorded (log.save_rollouts), served in place of the inference server:
+    alpha is the recorded sampler, fixed and known (the paper's v -> infinity limit), and every
+    objective, correction, learning rate or i applies to it as it would live."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        directory = self.run_dir / ROLLOUTS_DIR
+        if not directory.is_dir():
+            raise ReplayError(f"--replay {run_dir}: no {ROLLOUTS_DIR}/ (record a run with log.save_rollouts=true)")
+        self.files = {key: p for p in directory.iterdir() if (key := _batch_key(p.name)) is not None}
+        if not self.files:
+            raise ReplayError(f"--replay {run_dir}: {directory} holds no recorded batch")
+
+    def check_covers(self, stages: int, iterations: int) -> None:
+        """Every (stage, iteration) of the schedule has a recorded batch, or one line naming the first missing."""
+        for s in range(stages):
+            for k in range(iterations):
+                if (s, k) not in self.files:
+                    raise ReplayError(f"--replay {self.run_dir}: no batch for stage {s}, iteration {k} "
+                                      f"({batch_path(self.run_dir, s, k).name}); grpo.S / grpo.M ask for more than "
+                                      f"was recorded")
+
+    def rollout(self, stage: int, iteration: int, cfg):
+        """Batch (stage, iteration) as grpo.rollout.sample_rollout would return it under `cfg`: the
+        recorded sequences, log-probs of alpha and rewards; advantages and weights (eq. 2, eq. 8,
+        RED with the batch's own seed) from cfg.objective, so another objective sees its own."""
+        import torch
+
+        from grpo.objective import group_advantages
+        from grpo.rollout import Rollout, Sample, batch_stats
+
+        table = pq.read_table(self.files[(stage, iteration)])
+        rows = table.to_pylist()
+        G = cfg.grpo.G
+        if len(rows) % G or len(rows) // G != cfg.grpo.batch_prompts:
+            raise ReplayError(f"{self.files[(stage, iteration)]}: {len(rows)} sequences, the config's batch is "
+                              f"grpo.batch_prompts={cfg.grpo.batch_prompts} x grpo.G={G}")
+        seed = rows[0]["seed"]
+        rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
+        adv, seq_weight, adv_stats = group_advantages(rewards, G, cfg.objective,
+                                                      generator=torch.Generator().manual_seed(seed))
+        samples = [Sample(group=r["group"], prompt_ids=r["prompt_ids"], completion_ids=r["completion_ids"],
+                          logp_alpha=r["logp_alpha"], truncated=r["truncated"], reward=r["reward"],
+                          correct=r["correct"], adv=float(adv[j]), seq_weight=float(seq_weight[j]),
+                          weights_version=r["weights_version"]) for j, r in enumerate(rows)]
+        stats = {**adv_stats, **batch_stats(samples, G), "reward_timeouts": 0.0, "time_generate": 0.0,
+                 "time_reward": 0.0, "engine": {}}
+        return Rollout(samples, stats)

@@ -94,23 +94,24 @@ def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected
                weights_version=result.weights_version)
         for j, c in enumerate(completions)
     ]
-    lengths = [len(s.completion_ids) for s in samples]
-    stats = {
-        **adv_stats,
-        "pass_rate": sum(s.correct for s in samples) / len(samples),
-        "completion_len_mean": sum(lengths) / len(lengths),
-        "truncated_frac": sum(s.truncated for s in samples) / len(samples),
-        "reward_timeouts": float(reward_info.get("timeouts", 0)),
-        "time_generate": t_generate,
-        "time_reward": t_reward,
-        "engine": {key: float(value) for key, value in result.engine.items()},
-        "prompt_tokens": float(sum(len(p) for p in prompt_ids) * G),
-        "completion_tokens": float(sum(lengths)),
-    }
+    stats = {**adv_stats, **batch_stats(samples, G), "reward_timeouts": float(reward_info.get("timeouts", 0)),
+             "time_generate": t_generate, "time_reward": t_reward,
+             "engine": {key: float(value) for key, value in result.engine.items()}}
     table = [{"prompt": problems[s.group].prompt, "completion": c.text, "reward": s.reward,
               "gold": problems[s.group].answer}
              for s, c in list(zip(samples, completions))[::G][:8]]
     return Rollout(samples, stats, table)
+
+
+def batch_stats(samples: list[Sample], G: int) -> dict[str, float]:
+    """What a batch's samples say of it: pass rate, lengths, truncation, token counts (the prompt
+    counted once per completion, as the trainer runs it)."""
+    lengths = [len(s.completion_ids) for s in samples]
+    return {"pass_rate": sum(s.correct for s in samples) / len(samples),
+            "completion_len_mean": sum(lengths) / len(lengths),
+            "truncated_frac": sum(s.truncated for s in samples) / len(samples),
+            "prompt_tokens": float(sum(len(s.prompt_ids) for s in samples[::G]) * G),
+            "completion_tokens": float(sum(lengths))}
 
 
 def shard_samples(samples: list[Sample], rank: int, world_size: int) -> list[Sample]:

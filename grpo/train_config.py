@@ -102,6 +102,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     eval_every: int = 0  # evaluate on the held-out set every N iterations (0: only before and after)
     eval_data: Optional[DataConfig] = None  # held-out problems for periodic eval (None: no periodic eval)
+    replay: Optional[str] = None  # a run recorded with log.save_rollouts: train on its batches, no server (--replay)
 
     def __post_init__(self):
         if self.eval_every < 0 or (self.eval_every and self.eval_every % self.grpo.v):

@@ -11,14 +11,17 @@ import time
 
 import pytest
 
-from test_train import ROOT, env, model_dir, read_rows, train_cmd  # noqa: F401 (model_dir is a fixture)
+from test_train import TRAINING_NUMBERS, ROOT, env, model_dir, read_rows, replay, train_cmd  # noqa: F401 (model_dir is a fixture)
 
 pytestmark = pytest.mark.vllm
 
 
 def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
-    """Kill -9 between checkpoints, --resume, and the steps after the checkpoint repeat exactly."""
-    common = ["grpo.S=1", "grpo.M=4", "grpo.v=1", "grpo.i=1", "checkpoint.every=2", "eval_data=null"]
+    """Kill -9 between checkpoints, --resume, and the steps after the checkpoint repeat exactly. The
+    recorded batch stream (log.save_rollouts) of the resumed run has each batch once, as the
+    uninterrupted run's; a 1-rank replay of that stream repeats its training numbers exactly."""
+    common = ["grpo.S=1", "grpo.M=4", "grpo.v=1", "grpo.i=1", "checkpoint.every=2", "eval_data=null",
+              "log.save_rollouts=true"]
     full = subprocess.run(train_cmd(1, model_dir, tmp_path, "full", *common), cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=900)
     assert full.returncode == 0, full.stderr[-4000:]
@@ -57,6 +60,19 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
     for step in (3, 4):
         for key in ("reward_mean", "loss", "grad_norm", "kl", "completion_len_mean", "weights_version"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+    from grpo.recording import ROLLOUTS_DIR, read_rollouts
+
+    names = sorted(p.name for p in (tmp_path / "crash" / ROLLOUTS_DIR).iterdir())
+    assert names == [f"batch-s0000-k{k:06d}.parquet" for k in range(4)], names  # no duplicate, none missing
+    for full_batch, crash_batch in zip(read_rollouts(tmp_path / "full"), read_rollouts(tmp_path / "crash")):
+        for column in ("completion_ids", "logp_alpha", "reward", "weights_version"):
+            assert full_batch.column(column).to_pylist() == crash_batch.column(column).to_pylist(), column
+
+    _, replayed = replay(model_dir, tmp_path / "full", 1, "replay", *common)
+    live = [a[step] for step in sorted(a)]
+    for key in TRAINING_NUMBERS:
+        assert [r.get(key) for r in replayed] == [r.get(key) for r in live], key
 
 
 @pytest.mark.parametrize("mode", ["default_root", "explicit_root", "bytes"])

@@ -91,6 +91,43 @@ def test_each_batch_is_recorded_with_the_weights_that_sampled_it_and_its_lag(two
     assert {r["alpha_lag_pushes"] for r in rows} == {0}
 
 
+TRAINING_NUMBERS = ("loss", "kl", "clip_frac", "grad_norm", "entropy", "tv_pik_alpha", "is_weight_mean",
+                    "reward_mean", "masked_frac", "alpha_lag_steps")
+
+
+def replay(model_dir, recorded: Path, nproc: int, name: str, *extra) -> tuple[Path, list[dict]]:
+    """train.py --replay on `recorded`'s batches, in a run of its own next to it."""
+    proc = subprocess.run(train_cmd(nproc, model_dir, recorded.parent, name, "--replay", str(recorded), *extra),
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    run_dir = recorded.parent / name
+    return run_dir, [r for r in read_rows(run_dir) if "loss" in r]
+
+
+def test_a_replay_under_the_runs_own_config_reproduces_its_training_numbers(model_dir, two_rank_run):
+    """--replay trains on the recorded batches with no server: under the recorded run's own config
+    the same parameters see the same batches, so every training number repeats step for step, bit
+    for bit, on 2 ranks as recorded (1 rank: tests/test_faults.py)."""
+    live = [r for r in read_rows(two_rank_run) if "loss" in r]
+    run_dir, two = replay(model_dir, two_rank_run, 2, "replay-two")
+    assert not (run_dir / "server").exists()  # no inference server was started
+    assert [r["step"] for r in two] == [r["step"] for r in live]
+    for key in TRAINING_NUMBERS:
+        assert [r.get(key) for r in two] == [r.get(key) for r in live], key
+
+
+def test_a_replay_under_another_objective_needs_no_server(model_dir, two_rank_run):
+    """The recorded alpha is fixed and known: CISPO with a token-level IS cap trains on the same
+    batches (their advantages recomputed under its config), with no inference server process."""
+    run_dir, rows = replay(model_dir, two_rank_run, 1, "replay-cispo", "objective.loss=cispo",
+                           "objective.adv_scale=none")
+    assert not (run_dir / "server").exists()
+    assert len(rows) == 8 and all(isinstance(r["loss"], float) for r in rows)
+    live = [r for r in read_rows(two_rank_run) if "loss" in r]
+    assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in live]  # the same batches
+    assert [r["loss"] for r in rows] != [r["loss"] for r in live]  # another objective on them
+
+
 def test_reference_swapped_at_stage_boundary(two_rank_run):
     rows = [r for r in read_rows(two_rank_run) if "loss" in r]
     # The policy moved during stage 0 (a nonzero advantage reached it), so KL(pi || pi_ref) > 0 at
