@@ -363,7 +363,8 @@ TRAIN_KEYS = {
     "is_weight_min": "is_weight_min", "is_weight_max": "is_weight_max", "is_capped_frac": "is_capped_frac",
     "tv_pik_alpha": "tv_mean", "kl_pik_alpha": "kl_pik_alpha_mean",
     # the off-policy corrections and sequence-level losses (grpo/losses.py): what they masked or truncated
-    "is_masked_frac": "is_masked_frac", "seq_ratio_mean": "seq_ratio_mean", "seq_capped_frac": "seq_capped_frac",
+    "is_masked_frac": "is_masked_frac", "is_weight_ess": "is_weight_ess", "seq_ratio_mean": "seq_ratio_mean",
+    "seq_capped_frac": "seq_capped_frac",
     "seq_masked_frac": "seq_masked_frac",
 }
 

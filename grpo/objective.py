@@ -515,7 +515,8 @@ def all_reduce_stats(stats: dict[str, Tensor], group=None) -> dict[str, Tensor]:
 def finalize_stats(sums: dict[str, Tensor]) -> dict[str, float]:
     """Means over active tokens from reduced stats: clip_low_frac, clip_high_frac, clip_frac,
     ratio_{mean,std,max,min}, is_weight_{mean,std,max,min}, is_capped_frac, is_masked_frac, kl_mean,
-    tv_mean, kl_pik_alpha_mean, plus loss and num_tokens (nan when there is no active token); and
+    tv_mean, kl_pik_alpha_mean, is_weight_ess (the importance weights' effective sample size over the
+    active tokens, a fraction), plus loss and num_tokens (nan when there is no active token); and
     over sequences, where the config needs whole sequences: num_seqs, seq_ratio_mean (GSPO's mean
     s_i), seq_capped_frac, seq_masked_frac (nan when no sequence was counted: the per-token paths)."""
     n = float(sums["num_tokens"])
@@ -535,6 +536,10 @@ def finalize_stats(sums: dict[str, Tensor]) -> dict[str, float]:
         out[f"{key}_max"] = float(sums[f"{key}_max"]) if n > 0 else float("nan")
         out[f"{key}_min"] = float(sums[f"{key}_min"]) if n > 0 else float("nan")
     out["is_masked_frac"] = mean("is_masked_sum")
+    # Kish's effective sample size of the importance weights, as a fraction of the active tokens:
+    # (sum w)^2 / (n sum w^2), 1 when every weight is equal, small when a few tokens carry the batch
+    sq = float(sums["is_weight_sqsum"])
+    out["is_weight_ess"] = float(sums["is_weight_sum"]) ** 2 / (n * sq) if n > 0 and sq > 0 else float("nan")
     seqs = float(sums["num_seqs"])
     out["num_seqs"] = seqs
     for key, name in (("seq_ratio_sum", "seq_ratio_mean"), ("seq_capped_sum", "seq_capped_frac"),

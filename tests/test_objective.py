@@ -610,3 +610,16 @@ def test_objective_stats_sums_merge_and_finalize():
     # approx + is_cap: per-token loss of the f_eps example times w_bar = 1, 1, 1.2, 0.5
     close(out["loss"], 0.25 * (-1.2 * 1 - 0.5 * 1 + 0.8 * 1.2 + 1.5 * 0.5))
     assert out["kl_mean"] == 0.0
+
+
+def test_effective_sample_size_of_the_importance_weights():
+    """Kish's ESS over the active tokens, as a fraction: (sum w)^2 / (n sum w^2) with w = pi_k/alpha.
+    Weights 1, 1, 2 (and a padding token that does not count): 16 / (3 * 6) = 8/9; all equal: 1."""
+    cfg = ObjectiveConfig()
+    logp_alpha = t([[-1.0, -2.0, -1.5, 0.0]])
+    logp_k = logp_alpha + t([[0.0, 0.0, L(2.0), 5.0]])
+    weights = t([[0.25, 0.25, 0.5, 0.0]])
+    _, stats = objective(logp_k.clone(), logp_alpha, logp_k, None, t([0.5]), weights, cfg)
+    close(finalize_stats(stats)["is_weight_ess"], 16.0 / 18.0)
+    _, stats = objective(logp_alpha.clone(), logp_alpha, logp_alpha, None, t([0.5]), weights, cfg)
+    close(finalize_stats(stats)["is_weight_ess"], 1.0)
