@@ -44,10 +44,15 @@ def main():
     elif mode == "run_name":  # no log.run_name: each rank's default name holds its own start time
         import train
 
-        if os.environ.get("RANK") == "1":
-            time.sleep(1.2)  # this rank parses its config in a later second than rank 0
+        parsed = f"{out}.rank0-parsed"
+        if os.environ.get("RANK") == "1":  # parse in a later second than rank 0 did, whatever the imports took
+            while not os.path.exists(parsed):
+                time.sleep(0.05)
+            time.sleep(1.1)
         cfg, _ = train.parse_args(["--config", os.path.join(os.path.dirname(__file__), "..", "configs",
                                                             "tiny_test.yaml"), f"model.path={sys.argv[3]}"])
+        if os.environ.get("RANK") == "0":
+            open(parsed, "w").close()
         own = cfg.log.run_name
         info = init_distributed("cpu")
         result = {"rank": info.rank, "own": own, "shared": train.shared_run_name(cfg)}
