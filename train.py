@@ -35,6 +35,7 @@ from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_b
 from grpo.checkpoint import CheckpointError, Checkpointer, check_shared_directory, export_hf
 from grpo.config import ConfigError, load_config, save_config, to_dict
 from grpo.cpu import tune_trainer
+from grpo.cpu.bf16 import multiplies_bf16
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
 from grpo.evaluation import evaluate
 from grpo.metrics import MetricsLogger
@@ -86,8 +87,6 @@ def build_policy(cfg: TrainConfig, device: torch.device, trainable: bool) -> Pol
     if not trainable:
         lm.requires_grad_(False)
     lm.to(device)
-    if not on_gpu:
-        from grpo.cpu.bf16 import multiplies_bf16
     native_bf16 = on_gpu or multiplies_bf16()
     if cfg.model.dtype == "bfloat16" and not native_bf16 and trainable:
         warnings.warn("model.dtype=bfloat16 on a CPU without native bf16 (no AMX / AVX512-BF16): PyTorch emulates "
@@ -442,7 +441,7 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
             cache.logp_ref.append(logp_ref)
         mask = mb.completion_mask.bool()
         weights = token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=num_seqs,
-                                  num_tokens=num_tokens, max_len=cfg.grpo.max_new_tokens, truncated=mb.truncated)[mask]
+                                num_tokens=num_tokens, max_len=cfg.grpo.max_new_tokens, truncated=mb.truncated)[mask]
         inputs = ObjectiveInputs(mb.logp_alpha, None if first else cache.logp_k[j], cache.logp_ref[j],
                                  mb.adv[mb.seq_of_token], weights, cfg.objective, seq_index=mb.seq_of_token)
         out = run.policy(mb.input_ids, mb.completion_index, mb.completion_tokens, objective=inputs, with_entropy=first,
@@ -548,9 +547,10 @@ def main(argv=None) -> int:
                     evaluate_policy(run, progress)
 
                 # B prompts x G completions from alpha; rewards, advantages (eq. 2), mask (eq. 8)
-                rollout = sample_batch(run, progress, k, batch_seed(cfg, stage, k))
+                seed = batch_seed(cfg, stage, k)
+                rollout = sample_batch(run, progress, k, seed)
                 if cfg.log.save_rollouts and run.dist.is_main:  # the batch as trained on (docs/offpolicy.md)
-                    record_batch(run.run_dir, stage, k, batch_seed(cfg, stage, k), rollout)
+                    record_batch(run.run_dir, stage, k, seed, rollout)
                 if run.dist.is_main and run.sample_ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
                     run.sample_ahead.start(run, progress, k + 1, batch_seed(cfg, stage, k + 1))
                 micro_batches, denominators, shape = plan_batch(run, rollout)

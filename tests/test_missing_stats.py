@@ -19,7 +19,7 @@ from grpo import metrics
 from grpo.batching import collate
 from grpo.objective import finalize_stats, group_advantages, local_denominators, objective, token_weights
 from grpo.progress import Progress
-from grpo.rollout import Rollout, Sample
+from grpo.rollout import Rollout, Sample, batch_stats
 from grpo.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,11 +51,8 @@ def rollout_of(cfg: TrainConfig, reward=lambda j: 1.0, seed: int = 5, version: i
                       logp_alpha=[-0.1 * (t + 1) - 1e-9 * seed for t in range(j % G + 2)],
                       truncated=j % G == G - 1, reward=rewards[j], correct=rewards[j], adv=float(adv[j]),
                       seq_weight=float(seq_weight[j]), weights_version=version) for j in range(B * G)]
-    lengths = [len(s.completion_ids) for s in samples]
-    stats.update(pass_rate=sum(rewards) / len(rewards), completion_len_mean=sum(lengths) / len(lengths),
-                 truncated_frac=sum(s.truncated for s in samples) / len(samples), reward_timeouts=0.0,
-                 time_generate=0.1, time_reward=0.1, time_wait_generate=0.0, engine={},
-                 prompt_tokens=float(3 * len(samples)), completion_tokens=float(sum(lengths)))
+    stats.update(batch_stats(samples, G), reward_timeouts=0.0, time_generate=0.1, time_reward=0.1,
+                 time_wait_generate=0.0, engine={})
     return Rollout(samples, stats)
 
 

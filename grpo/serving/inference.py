@@ -29,6 +29,7 @@ from typing import Literal, Optional
 import torch
 
 from grpo.cpu import CPUConfig
+from grpo.cpu.bf16 import multiplies_bf16
 from grpo.serving.client import GenerationResult, InferenceClient, InferenceServerError, ServerUnavailableError
 from grpo.serving.fingerprint import fingerprint_mismatches, pushed_moments, unseen_by_fingerprint
 from grpo.serving.supervisor import ServerProcess
@@ -118,15 +119,9 @@ def serving_dtype(cfg: ServerConfig, model_dir: str | os.PathLike, on_cpu: bool 
     dtype = getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) \
         else torch.bfloat16
     if on_cpu and dtype in (torch.bfloat16, torch.float16) and not (
-            _cpu_multiplies_bf16() if native_bf16 is None else native_bf16):
+            multiplies_bf16() if native_bf16 is None else native_bf16):
         return torch.float32
     return dtype
-
-
-def _cpu_multiplies_bf16() -> bool:
-    from grpo.cpu.bf16 import multiplies_bf16
-
-    return multiplies_bf16()
 
 
 def _private_root(parent: Path, name: str) -> Path:
