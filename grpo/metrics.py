@@ -358,6 +358,7 @@ ROLLOUT_KEYS = ("reward_mean", "reward_std", "group_std_mean", "pass_rate", "mas
 # kl_pik_alpha are the drift between the trainer's pi_k and the sampler alpha (Theorem 1's terms).
 TRAIN_KEYS = {
     "loss": "loss", "clip_frac": "clip_frac", "clip_low_frac": "clip_low_frac", "clip_high_frac": "clip_high_frac",
+    "clip_frac_adv_pos": "clip_frac_adv_pos", "clip_frac_adv_neg": "clip_frac_adv_neg",
     "kl": "kl_mean", "ratio_mean": "ratio_mean", "ratio_std": "ratio_std", "ratio_min": "ratio_min",
     "ratio_max": "ratio_max", "is_weight_mean": "is_weight_mean", "is_weight_std": "is_weight_std",
     "is_weight_min": "is_weight_min", "is_weight_max": "is_weight_max", "is_capped_frac": "is_capped_frac",

@@ -366,10 +366,14 @@ def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], l
     (0/1: truncated, its weight or its sequence's above is_cap), is_masked (0/1: masked out by the
     correction), kl, tv = |w - 1| / 2 (per-token estimate of TV(pi_k, alpha): E_alpha |pi_k/alpha - 1| / 2),
     kl_pik_alpha = w - 1 - log w (k3 estimator of KL(alpha || pi_k) under samples from alpha: unbiased,
-    >= 0). tv and kl_pik_alpha use the raw w. Where the config needs whole sequences
-    (needs_sequences), also per-sequence [S] tensors: seq_active (the sequence has an active token),
-    seq_ratio (geometric mean of its tokens' ratio: GSPO's s_i), seq_capped, seq_masked (a token of
-    it, or the sequence itself, was truncated / masked).
+    >= 0). tv and kl_pik_alpha use the raw w. adv_pos / adv_neg (0/1: A > 0 / A < 0; A = 0 is
+    neither), clip_adv_pos / clip_adv_neg (0/1: clipped, clip_low or clip_high, and A > 0 / A < 0;
+    for grpo's f_eps and one-sided REC only clip_high can bite when A > 0 and only clip_low when
+    A < 0, while CISPO and two-sided / ring REC clip whatever the sign): the clip fraction split by
+    the sign of the advantage, as sums (finalize_stats' clip_frac_adv_pos, clip_frac_adv_neg). Where
+    the config needs whole sequences (needs_sequences), also per-sequence [S] tensors: seq_active (the
+    sequence has an active token), seq_ratio (geometric mean of its tokens' ratio: GSPO's s_i),
+    seq_capped, seq_masked (a token of it, or the sequence itself, was truncated / masked).
     """
     adv = check_objective_inputs(logp, logp_alpha, logp_k, logp_ref, adv, cfg.beta)
     shape = logp.shape
@@ -419,6 +423,9 @@ def per_token_loss(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], l
         "kl_pik_alpha": w - 1.0 - log_w,
         "is_masked": corrected.masked,
     }
+    pos, neg = (adv > 0).to(dtype), (adv < 0).to(dtype)
+    clipped = torch.maximum(terms.clip_low, terms.clip_high)  # 0/1 each: clipped below OR above
+    diagnostics.update(adv_pos=pos, adv_neg=neg, clip_adv_pos=clipped * pos, clip_adv_neg=clipped * neg)
     diagnostics = {key: value.reshape(shape) for key, value in diagnostics.items()}
     if seqs is not None:
         diagnostics.update(
@@ -452,7 +459,10 @@ def objective(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_r
       num_tokens                      count of active tokens
       loss                            the loss value (weighted sum)
       <key>_sum for key in DIAGNOSTIC_KEYS (clip_low, clip_high, ratio, is_weight, is_capped, kl, tv,
-                                      kl_pik_alpha, is_masked)   sums of the per-token diagnostics
+                                      kl_pik_alpha, is_masked, adv_pos, adv_neg, clip_adv_pos,
+                                      clip_adv_neg)   sums of the per-token diagnostics (adv_pos_sum:
+                                      active tokens with A > 0; clip_adv_pos_sum: those of them
+                                      clipped, low or high; _neg: the same with A < 0)
       ratio_sqsum, is_weight_sqsum    sums of squares
       ratio_max, is_weight_max        maxima (-inf when no active token)
       ratio_min, is_weight_min        minima (+inf when no active token)
@@ -514,11 +524,14 @@ def all_reduce_stats(stats: dict[str, Tensor], group=None) -> dict[str, Tensor]:
 
 def finalize_stats(sums: dict[str, Tensor]) -> dict[str, float]:
     """Means over active tokens from reduced stats: clip_low_frac, clip_high_frac, clip_frac,
-    ratio_{mean,std,max,min}, is_weight_{mean,std,max,min}, is_capped_frac, is_masked_frac, kl_mean,
-    tv_mean, kl_pik_alpha_mean, is_weight_ess (the importance weights' effective sample size over the
-    active tokens, a fraction), plus loss and num_tokens (nan when there is no active token); and
-    over sequences, where the config needs whole sequences: num_seqs, seq_ratio_mean (GSPO's mean
-    s_i), seq_capped_frac, seq_masked_frac (nan when no sequence was counted: the per-token paths)."""
+    clip_frac_adv_pos (of the active tokens with A > 0, the fraction clipped, low or high:
+    clip_adv_pos_sum / adv_pos_sum; nan when no active token has A > 0), clip_frac_adv_neg (the same
+    over A < 0; tokens with A = 0 are in neither), ratio_{mean,std,max,min},
+    is_weight_{mean,std,max,min}, is_capped_frac, is_masked_frac, kl_mean, tv_mean, kl_pik_alpha_mean,
+    is_weight_ess (the importance weights' effective sample size over the active tokens, a fraction),
+    plus loss and num_tokens (nan when there is no active token); and over sequences, where the
+    config needs whole sequences: num_seqs, seq_ratio_mean (GSPO's mean s_i), seq_capped_frac,
+    seq_masked_frac (nan when no sequence was counted: the per-token paths)."""
     n = float(sums["num_tokens"])
 
     def mean(key: str) -> float:
@@ -529,6 +542,9 @@ def finalize_stats(sums: dict[str, Tensor]) -> dict[str, float]:
            "is_capped_frac": mean("is_capped_sum"), "kl_mean": mean("kl_sum"), "tv_mean": mean("tv_sum"),
            "kl_pik_alpha_mean": mean("kl_pik_alpha_sum")}
     out["clip_frac"] = out["clip_low_frac"] + out["clip_high_frac"]
+    for sign in ("pos", "neg"):  # the clip fraction among the tokens of one sign of A (missing: none of it)
+        among = float(sums[f"adv_{sign}_sum"])
+        out[f"clip_frac_adv_{sign}"] = float(sums[f"clip_adv_{sign}_sum"]) / among if among > 0 else float("nan")
     for key in SQ_KEYS:
         m = mean(f"{key}_sum")
         out[f"{key}_mean"] = m

@@ -14,8 +14,11 @@ import torch
 from torch import Tensor
 
 # Per-token diagnostics of the objective (see grpo.objective.per_token_loss), summed over active tokens.
+# adv_pos / adv_neg (0/1: A > 0 / A < 0) and clip_adv_pos / clip_adv_neg (0/1: clipped, low or high,
+# and A > 0 / A < 0) make the clip fraction split by the advantage's sign additive over micro-batches
+# and ranks (finalize_stats divides the sums: clip_frac_adv_pos, clip_frac_adv_neg).
 DIAGNOSTIC_KEYS = ("clip_low", "clip_high", "ratio", "is_weight", "is_capped", "kl", "tv", "kl_pik_alpha",
-                   "is_masked")
+                   "is_masked", "adv_pos", "adv_neg", "clip_adv_pos", "clip_adv_neg")
 SQ_KEYS = ("ratio", "is_weight")  # also summed squared, for a standard deviation
 EXTREME_KEYS = ("ratio", "is_weight")  # also their maximum and minimum over active tokens
 # Per-sequence statistics, summed over sequences with an active token. Only an objective that sees

@@ -57,6 +57,10 @@ _KL_SUM = tl.constexpr(STAT_SLOT["kl_sum"])
 _TV_SUM = tl.constexpr(STAT_SLOT["tv_sum"])
 _KL_PIK_ALPHA_SUM = tl.constexpr(STAT_SLOT["kl_pik_alpha_sum"])
 _IS_MASKED_SUM = tl.constexpr(STAT_SLOT["is_masked_sum"])
+_ADV_POS_SUM = tl.constexpr(STAT_SLOT["adv_pos_sum"])
+_ADV_NEG_SUM = tl.constexpr(STAT_SLOT["adv_neg_sum"])
+_CLIP_ADV_POS_SUM = tl.constexpr(STAT_SLOT["clip_adv_pos_sum"])
+_CLIP_ADV_NEG_SUM = tl.constexpr(STAT_SLOT["clip_adv_neg_sum"])
 _RATIO_SQSUM = tl.constexpr(STAT_SLOT["ratio_sqsum"])
 _IS_WEIGHT_SQSUM = tl.constexpr(STAT_SLOT["is_weight_sqsum"])
 _RATIO_MAX = tl.constexpr(STAT_SLOT["ratio_max"])
@@ -207,6 +211,11 @@ def loss_and_grad_kernel(
     tl.store(grad_logp_ptr + offs, tl.where(active, weight * d_tok, 0.0), mask=in_bounds)
 
     act = tl.where(active, 1.0, 0.0)
+    # The clip fraction split by the sign of A (grpo.objective.per_token_loss): every branch above
+    # sets clip_low / clip_high, so one place counts clipped-below OR clipped-above per sign.
+    adv_pos = tl.where(pos, 1.0, 0.0)
+    adv_neg = tl.where(neg, 1.0, 0.0)
+    clipped = tl.maximum(clip_low, clip_high)
     out = partials_ptr + pid * _N_STATS
     tl.store(out + _NUM_TOKENS, tl.sum(act, axis=0))
     tl.store(out + _LOSS, tl.sum(tl.where(active, loss_tok * weight, 0.0), axis=0))
@@ -219,6 +228,10 @@ def loss_and_grad_kernel(
     tl.store(out + _TV_SUM, tl.sum(0.5 * tl.abs(w - 1.0) * act, axis=0))
     tl.store(out + _KL_PIK_ALPHA_SUM, tl.sum((w - 1.0 - log_w) * act, axis=0))
     tl.store(out + _IS_MASKED_SUM, tl.sum(is_masked * act, axis=0))
+    tl.store(out + _ADV_POS_SUM, tl.sum(adv_pos * act, axis=0))
+    tl.store(out + _ADV_NEG_SUM, tl.sum(adv_neg * act, axis=0))
+    tl.store(out + _CLIP_ADV_POS_SUM, tl.sum(clipped * adv_pos * act, axis=0))
+    tl.store(out + _CLIP_ADV_NEG_SUM, tl.sum(clipped * adv_neg * act, axis=0))
     tl.store(out + _RATIO_SQSUM, tl.sum(ratio * ratio * act, axis=0))
     tl.store(out + _IS_WEIGHT_SQSUM, tl.sum(w_bar * w_bar * act, axis=0))
     tl.store(out + _RATIO_MAX, tl.max(tl.where(active, ratio, float("-inf")), axis=0))

@@ -9,7 +9,10 @@ import torch
 
 import kernels
 from grpo.losses import LOSSES
-from grpo.objective import ObjectiveConfig, check_objective_path, objective, objective_fn_for, objective_with_grad
+from grpo.objective import (ObjectiveConfig, check_objective_path, finalize_stats, objective, objective_fn_for,
+                            objective_with_grad)
+from hand_computed import (ADV_SIGN_ADV, ADV_SIGN_CONFIGS, ADV_SIGN_EXPECTED, ADV_SIGN_INDICATORS, ADV_SIGN_RATIO,
+                           ADV_SIGN_WEIGHTS)
 from kernels import KernelConfig
 from kernels.contract import STAT_KEYS as CONTRACT_KEYS
 from kernels.loss import STAT_KEYS, check_stat_slots, unwritten_stat_slots
@@ -153,6 +156,47 @@ def test_hand_computed_grpo_tokens():
     assert stats["ratio_sum"].item() == pytest.approx(3.1, abs=1e-6)
     assert stats["ratio_max"].item() == pytest.approx(1.5) and stats["ratio_min"].item() == pytest.approx(0.5)
     assert stats["tv_sum"].item() == 0 and stats["is_weight_sum"].item() == 3
+
+
+@pytest.mark.parametrize("loss", sorted(ADV_SIGN_CONFIGS))
+def test_hand_computed_clip_fraction_by_the_sign_of_the_advantage(loss):
+    # tests/hand_computed.py's case (values by hand there) through the kernel: the A > 0 / A < 0
+    # counts and their clipped tokens, grpo one-sided, cispo on both sides, A = 0 and padding in neither.
+    cfg = ObjectiveConfig(**ADV_SIGN_CONFIGS[loss])
+    want = ADV_SIGN_EXPECTED[loss]
+    logp = torch.log(torch.tensor(ADV_SIGN_RATIO))
+    zeros = torch.zeros(8)
+    _, stats = kernels.grpo_objective(logp, zeros, zeros, None, torch.tensor(ADV_SIGN_ADV),
+                                      torch.tensor(ADV_SIGN_WEIGHTS), cfg, config=TRITON)
+    assert stats["num_tokens"].item() == 7
+    for key in ("adv_pos", "adv_neg", "clip_adv_pos", "clip_adv_neg"):
+        assert stats[f"{key}_sum"].item() == sum({**ADV_SIGN_INDICATORS, **want}[key]), key
+    out = finalize_stats(stats)
+    for key in ("clip_frac_adv_pos", "clip_frac_adv_neg", "clip_low_frac", "clip_high_frac", "clip_frac"):
+        assert out[key] == pytest.approx(want[key], abs=1e-6), key
+
+
+@pytest.mark.parametrize("loss,correction", kernel_cases())
+def test_per_token_advantages_of_both_signs_match_objective(loss, correction):
+    # The clip fraction split by the sign of A (adv_pos, adv_neg, clip_adv_pos, clip_adv_neg) for every
+    # kernel case: the kernel reads A per token, so here its sign changes inside a sequence, a fifth of
+    # the tokens have A = 0 (in neither split), and the drift is wide enough that tokens of both signs
+    # are clipped (grpo's and one-sided REC's clip by the side the sign allows; cispo and two-sided REC's
+    # whatever the sign).
+    logp, logp_alpha, logp_k, logp_ref, _, weights = batch(seed=11, n_seqs=6, spread=0.5)
+    adv = torch.randn(logp.shape, generator=torch.Generator().manual_seed(12))
+    adv[:, ::5] = 0.0
+    for anchor in ["exact", "approx"] if LOSSES[loss].anchored else ["approx"]:
+        cfg = ObjectiveConfig(loss=loss, ratio_anchor=anchor, eps_low=0.2, eps_high=0.28,
+                              **CORRECTION_SETTINGS[correction])
+        want, got = run_both(cfg, logp, logp_alpha, logp_k, None, adv, weights)
+        assert_same(want, got)
+        stats = want[1]
+        assert stats["adv_pos_sum"] > 0 and stats["adv_neg_sum"] > 0
+        assert stats["adv_pos_sum"] + stats["adv_neg_sum"] < stats["num_tokens"]  # the A = 0 tokens
+        if LOSSES[loss].clips:
+            assert 0 < stats["clip_adv_pos_sum"] < stats["adv_pos_sum"], anchor
+            assert 0 < stats["clip_adv_neg_sum"] < stats["adv_neg_sum"], anchor
 
 
 def test_ties_split_the_gradient_like_torch():

@@ -102,10 +102,26 @@ def test_a_batch_with_signal_logs_every_statistic():
     rollout = rollout_of(cfg, reward=lambda j: float(j % 2))
     row = row_of(cfg, rollout)
     assert no_nan(row)
-    per_token = {"clip_frac", "kl", "tv_pik_alpha", "kl_pik_alpha", "ratio_mean", "is_weight_mean", "entropy",
-                 "bound_M_nonzero"}
+    per_token = {"clip_frac", "clip_frac_adv_pos", "clip_frac_adv_neg", "kl", "tv_pik_alpha", "kl_pik_alpha",
+                 "ratio_mean", "is_weight_mean", "entropy", "bound_M_nonzero"}
     assert per_token <= set(row), sorted(per_token - set(row))
     assert math.isclose(row["entropy"], 0.7, rel_tol=1e-6)
+
+
+def test_an_all_positive_advantage_batch_leaves_the_negative_clip_fraction_out():
+    # Every active token has A > 0 (the batch with signal, its advantages made positive): the clip
+    # fraction among A < 0 tokens is a statistic of an empty set, NaN in finalize_stats, absent from
+    # the row; the A > 0 one is there (0: pi = pi_k, nothing clipped).
+    cfg = config()
+    signal = rollout_of(cfg, reward=lambda j: float(j % 2))
+    rollout = Rollout([replace(s, adv=abs(s.adv)) for s in signal.samples], signal.stats)
+    assert all(s.adv >= 0 for s in rollout.samples) and any(s.adv > 0 and s.seq_weight > 0 for s in rollout.samples)
+    train_stats, _ = step_stats(cfg, rollout)
+    assert train_stats["num_tokens"] > 0 and math.isnan(train_stats["clip_frac_adv_neg"])
+    assert train_stats["clip_frac_adv_pos"] == 0.0
+    row = row_of(cfg, rollout)
+    assert no_nan(row) and "clip_frac_adv_neg" not in row
+    assert row["clip_frac_adv_pos"] == 0.0 and row["clip_frac"] == 0.0
 
 
 def test_missing_is_nan_of_any_number_type_and_never_an_infinity():

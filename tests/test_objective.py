@@ -24,6 +24,8 @@ from grpo.objective import (
 PRESETS = sorted((Path(__file__).resolve().parent.parent / "configs" / "objectives").glob("*.yaml"))
 
 from hand_computed import D, L, close, t  # noqa: E402,F401
+from hand_computed import (ADV_SIGN_ADV, ADV_SIGN_CONFIGS, ADV_SIGN_EXPECTED, ADV_SIGN_INDICATORS,  # noqa: E402
+                           ADV_SIGN_RATIO, ADV_SIGN_WEIGHTS)
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -623,3 +625,42 @@ def test_effective_sample_size_of_the_importance_weights():
     close(finalize_stats(stats)["is_weight_ess"], 16.0 / 18.0)
     _, stats = objective(logp_alpha.clone(), logp_alpha, logp_alpha, None, t([0.5]), weights, cfg)
     close(finalize_stats(stats)["is_weight_ess"], 1.0)
+
+
+@pytest.mark.parametrize("loss", sorted(ADV_SIGN_CONFIGS))
+def test_clip_fraction_split_by_the_sign_of_the_advantage(loss):
+    # tests/hand_computed.py's case worked out by hand: 7 active tokens, 3 with A > 0, 3 with A < 0,
+    # one with A = 0, a padding token; grpo clips by the side the sign allows, cispo on both sides.
+    cfg = ObjectiveConfig(**ADV_SIGN_CONFIGS[loss])
+    want = ADV_SIGN_EXPECTED[loss]
+    logp, adv, w = t(ADV_SIGN_RATIO).log(), t(ADV_SIGN_ADV), t(ADV_SIGN_WEIGHTS)
+    zeros = torch.zeros(8, dtype=D)
+    _, diag = per_token_loss(logp[:7], zeros[:7], zeros[:7], None, adv[:7], cfg)
+    for key in ("adv_pos", "adv_neg"):
+        close(diag[key], ADV_SIGN_INDICATORS[key])
+    for key in ("clip_adv_pos", "clip_adv_neg"):
+        close(diag[key], want[key])
+    # additive over micro-batches: two parts, the padding token in the second
+    parts = [objective(logp[s], zeros[s], zeros[s], None, adv[s], w[s], cfg)[1] for s in (slice(0, 3), slice(3, 8))]
+    sums = merge_stats(*parts)
+    assert [float(sums[k]) for k in ("num_tokens", "adv_pos_sum", "adv_neg_sum")] == [7, 3, 3]
+    assert float(sums["clip_adv_pos_sum"]) == sum(want["clip_adv_pos"])
+    assert float(sums["clip_adv_neg_sum"]) == sum(want["clip_adv_neg"])
+    out = finalize_stats(sums)
+    for key in ("clip_frac_adv_pos", "clip_frac_adv_neg", "clip_low_frac", "clip_high_frac", "clip_frac"):
+        close(out[key], want[key])
+
+
+def test_clip_fraction_of_an_absent_sign_is_nan():
+    # Every active token has A > 0 (the padding token's A < 0 does not count): the A < 0 split is a
+    # statistic of an empty set, NaN here and missing from the logged row (grpo.metrics.defined).
+    cfg = ObjectiveConfig(loss="grpo", eps_low=0.2, eps_high=0.2)
+    logp, zeros = t([L(1.5), L(1.1), L(0.5), L(0.5)]), torch.zeros(4, dtype=D)
+    _, stats = objective(logp, zeros, zeros, None, t([1.0, 2.0, 1.0, -1.0]), t([0.25, 0.25, 0.5, 0.0]), cfg)
+    out = finalize_stats(stats)
+    close(out["clip_frac_adv_pos"], 1 / 3)  # r = 1.5 clipped high; 1.1 inside; 0.5 on the r A branch
+    assert float(stats["adv_neg_sum"]) == 0 and math.isnan(out["clip_frac_adv_neg"])
+    # A = 0 everywhere: both splits are missing, the overall clip fraction is not
+    _, stats = objective(logp, zeros, zeros, None, torch.zeros(4, dtype=D), t([0.25, 0.25, 0.5, 0.0]), cfg)
+    out = finalize_stats(stats)
+    assert math.isnan(out["clip_frac_adv_pos"]) and math.isnan(out["clip_frac_adv_neg"]) and out["clip_frac"] == 0
