@@ -2,6 +2,7 @@
 
     client = InferenceClient("http://127.0.0.1:8000", token)
     result = client.generate(prompt_ids, n=G, max_tokens=200, temperature=0.1, seed=7)
+    scores = client.score([(prompt_ids[0], result.completions[0][0].token_ids)], temperature=0.1)
     client.push_weights(weights_dir, version=3, mode="path")
 
 Transient failures (connection refused or reset, 502/503/504) are retried with exponential backoff
@@ -41,6 +42,14 @@ class GenerationResult:
     completions: list[list[Completion]]  # [prompt][sample]
     weights_version: int  # the pushed version that produced every completion here
     engine: dict = field(default_factory=dict)  # what the engine reports of the batch (a CPU engine: its threads)
+
+
+@dataclass
+class ScoreResult:
+    # [sequence][t]: log alpha(c_t | prompt, c_<t) at the asked temperature / top_p / top_k, computed
+    # as the engine computes a sampled token's log-prob; -inf where c_t is outside the kept top-k/top-p set
+    logprobs: list[list[float]]
+    weights_version: int  # the pushed version that produced every number here
 
 
 class InferenceServerError(RuntimeError):
@@ -140,6 +149,20 @@ class InferenceClient:
         return GenerationResult(
             completions=[[Completion(**c) for c in per_prompt] for per_prompt in out["completions"]],
             weights_version=int(out["weights_version"]), engine=dict(out.get("engine") or {}))
+
+    def score(self, sequences: list[tuple[list[int], list[int]]], temperature: float, top_p: float = 1.0,
+              top_k: int = -1) -> ScoreResult:
+        """The engine's log-prob of each completion token given its prompt and the completion before
+        it, for (prompt token ids, completion token ids) pairs: what /grpo/generate would report for
+        that completion had it sampled it at this temperature, top_p and top_k (one weights version)."""
+        out = self.request("POST", "/grpo/score", json_body={
+            "sequences": [{"prompt_token_ids": list(map(int, prompt)),
+                           "completion_token_ids": list(map(int, completion))} for prompt, completion in sequences],
+            "temperature": temperature, "top_p": top_p, "top_k": top_k})
+        # JSON has no -inf: the server sends null for a token outside the kept top-k/top-p set
+        return ScoreResult(logprobs=[[float("-inf") if x is None else float(x) for x in per_sequence]
+                                     for per_sequence in out["logprobs"]],
+                           weights_version=int(out["weights_version"]))
 
     def push_weights(self, weights_dir: Path, version: int, mode: str = "path") -> dict:
         """Make the server serve `weights_dir` (from write_weights) as `version`: {version, seconds,

@@ -2,6 +2,7 @@
 
     server = InferenceServer.launch(model_dir, cfg.server, run_dir, gpu="0")   # or attaches: server.url
     result = server.generate(prompt_ids, n=G, max_tokens=200, temperature=0.1, seed=batch_seed)
+    scores = server.score([(prompt_ids[0], result.completions[0][0].token_ids)], temperature=0.1)
     server.push(full_state_dict, version=3, step=120)        # every v iterations (rank 0)
     server.stop()
 
@@ -30,7 +31,8 @@ import torch
 
 from grpo.cpu import CPUConfig
 from grpo.cpu.bf16 import multiplies_bf16
-from grpo.serving.client import GenerationResult, InferenceClient, InferenceServerError, ServerUnavailableError
+from grpo.serving.client import (GenerationResult, InferenceClient, InferenceServerError, ScoreResult,
+                                 ServerUnavailableError)
 from grpo.serving.fingerprint import fingerprint_mismatches, pushed_moments, unseen_by_fingerprint
 from grpo.serving.supervisor import ServerProcess
 from grpo.serving.weights_dir import prune_weights
@@ -241,6 +243,12 @@ class InferenceServer:
         """client.generate, surviving the death of a launched server (restart, re-serve, retry once)."""
         return self._surviving(lambda: self.client.generate(prompt_token_ids, n, max_tokens, temperature, top_p,
                                                             stop_token_ids, seed, engine_threads))
+
+    def score(self, sequences: list[tuple[list[int], list[int]]], temperature: float, top_p: float = 1.0,
+              top_k: int = -1) -> ScoreResult:
+        """client.score (the served weights' log-prob of each given completion token, as sampled at
+        this temperature), surviving the death of a launched server like generate."""
+        return self._surviving(lambda: self.client.score(sequences, temperature, top_p, top_k))
 
     def _surviving(self, call):
         """call(); if a launched server died under it (before, during or after a push), restart it,

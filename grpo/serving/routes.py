@@ -3,6 +3,7 @@
   GET  /grpo/health          open; 200 {"ok", "weights_version", "sampler"} or 503 with the reason
   GET  /grpo/weights_version open; {"weights_version", "step", "dir"}
   POST /grpo/generate        B prompts (token ids) x n samples -> token ids, log-probs, finish reasons
+  POST /grpo/score           (prompt, completion) token ids -> each completion token's log-prob, as sampled
   POST /grpo/weights         {"path", "version"}: load a directory written by the trainer's writer
   POST /grpo/weights/upload  ?version=&step=&hash=&digest=, body = the safetensors bytes (no shared fs)
 
@@ -41,6 +42,18 @@ class GenerateRequest(BaseModel):
     threads: Optional[int] = Field(None, ge=1)  # a CPU engine's threads for this batch (None: all bound cores)
 
 
+class ScoreSequence(BaseModel):
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+
+
+class ScoreRequest(BaseModel):
+    sequences: list[ScoreSequence] = Field(min_length=1)
+    temperature: float = Field(ge=0.0)  # no default: a score at an unintended temperature looks just as plausible
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+
+
 class PushRequest(BaseModel):
     path: str
     version: int = Field(ge=0)
@@ -64,6 +77,19 @@ def to_samples(final) -> list[dict]:
         samples.append({"token_ids": list(c.token_ids), "logprobs": logprobs,
                         "finish_reason": c.finish_reason, "text": c.text})
     return samples
+
+
+def scored_logprob(final, token: int) -> Optional[float]:
+    """The log-prob of `token` in a finished max_tokens=1 request that asked for logprob_token_ids=[token]:
+    the processed log-prob (log softmax(logits / T) after top-k/top-p) at the position after its
+    prompt. None for -inf (outside the kept top-k/top-p set: JSON has no -inf)."""
+    lp = final.outputs[0].logprobs  # FlatLogprobs, one position: the sampled token first, then the asked ids
+    start, end = lp.start_indices[0], lp.end_indices[0]
+    for i in range(start + 1, end):
+        if lp.token_ids[i] == token:
+            value = lp.logprobs[i]
+            return None if value == float("-inf") else value
+    raise RuntimeError(f"the engine returned no log-prob for token {token} (got ids {lp.token_ids[start:end]})")
 
 
 async def drain(queue):
@@ -100,6 +126,7 @@ class Routes:
         router.add_api_route("/grpo/health", self.health, methods=["GET"])
         router.add_api_route("/grpo/weights_version", self.weights_version, methods=["GET"])
         router.add_api_route("/grpo/generate", self.generate, methods=["POST"])
+        router.add_api_route("/grpo/score", self.score, methods=["POST"])
         router.add_api_route("/grpo/weights", self.push_path, methods=["POST"])
         router.add_api_route("/grpo/weights/upload", self.push_bytes, methods=["POST"])
         return router
@@ -187,6 +214,76 @@ class Routes:
                 await self.engine.resume_generation()
             finals = await asyncio.gather(*(drain(q) for q in queues))
         return [to_samples(final) for final in finals]
+
+    # -- scoring
+    def refuse_sequences(self, req: ScoreRequest) -> Optional[str]:
+        """Why the server cannot score these sequences (None: it can)."""
+        for i, seq in enumerate(req.sequences):
+            if not seq.prompt_token_ids:
+                return f"sequences[{i}].prompt_token_ids is empty"
+            if not seq.completion_token_ids:
+                return f"sequences[{i}].completion_token_ids is empty: nothing to score"
+            for name in ("prompt_token_ids", "completion_token_ids"):
+                bad = [t for t in getattr(seq, name) if not 0 <= t < self.vocab_size]
+                if bad:
+                    return f"sequences[{i}].{name} has token id {bad[0]} outside [0, {self.vocab_size})"
+            total = len(seq.prompt_token_ids) + len(seq.completion_token_ids)
+            if total > self.max_model_len:
+                return (f"sequences[{i}]: {len(seq.prompt_token_ids)} prompt + {len(seq.completion_token_ids)} "
+                        f"completion tokens exceed max_model_len {self.max_model_len}")
+        return None
+
+    async def score(self, req: ScoreRequest):
+        """log alpha(c_t | prompt, c_<t) for every completion token c_t, as the engine's sampler
+        computes it for a token it samples: log softmax(logits / T) after top-k/top-p (-inf, sent
+        as null, outside the kept set; T = 0: the plain log-softmax). The sampler is the only place
+        that applies T, top-k and top-p (prompt_logprobs are raw log-softmax), so each position is
+        one request: prompt + c_<t with max_tokens=1, asking for c_t's log-prob by
+        logprob_token_ids. The token it samples there is thrown away. Prefix caching shares the
+        sequence's common prefix between its requests."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        refused = self.refuse_sequences(req)
+        if refused:
+            return error(400, refused)
+        common = dict(max_tokens=1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                      flat_logprobs=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        try:
+            SamplingParams(**common, logprob_token_ids=[0])  # a bad top_k etc. is the client's error, once
+        except ValueError as e:
+            return error(400, str(e))
+        base = uuid.uuid4().hex
+
+        async def one(i: int, t: int) -> Optional[float]:
+            seq = req.sequences[i]
+            token = seq.completion_token_ids[t]
+            params = SamplingParams(**common, logprob_token_ids=[token])
+            final = None
+            async for out in self.engine.generate(
+                    {"prompt_token_ids": seq.prompt_token_ids + seq.completion_token_ids[:t]}, params,
+                    f"grpo-score-{base}-{i}-{t}"):
+                final = out
+            return scored_logprob(final, token)
+
+        async with self.state.gate.reading():
+            version = self.state.version  # fixed while we read: a push waits for us
+            try:
+                await self.control.use(None)  # all of a CPU engine's threads, as an unsplit generate batch
+                # every position of every sequence at once: the scheduler batches them
+                flat = await asyncio.gather(*(one(i, t) for i, seq in enumerate(req.sequences)
+                                              for t in range(len(seq.completion_token_ids))))
+            except ValueError as e:
+                return error(400, str(e))
+            except Exception as e:
+                if self.engine.errored:
+                    return error(503, f"the vLLM engine died: {type(e).__name__}: {e}")
+                raise
+        logprobs, k = [], 0
+        for seq in req.sequences:
+            logprobs.append(flat[k:k + len(seq.completion_token_ids)])
+            k += len(seq.completion_token_ids)
+        return {"logprobs": logprobs, "weights_version": version}
 
     # -- weight pushes
     async def push_path(self, req: PushRequest):
