@@ -40,6 +40,7 @@ from grpo.data import DataError, PromptSampler, build_prompt, load_problems, mak
 from grpo.evaluation import evaluate
 from grpo.metrics import MetricsLogger
 from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_model_path
+from grpo import staleness
 from grpo.optim import build_optimizer, build_scheduler
 from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
 from grpo.objective import (all_reduce_stats, check_objective_path, contributing, finalize_stats,
@@ -47,7 +48,8 @@ from grpo.objective import (all_reduce_stats, check_objective_path, contributing
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
                            gather_full_state_dict, init_distributed, launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, Policy
-from grpo.progress import Progress
+from grpo.parity import ParityProbe, parity_stats, trainer_logprobs, warn_if_apart
+from grpo.progress import Progress, alpha_lag
 from grpo.recording import RecordedStream, ReplayError, record_batch
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
@@ -140,6 +142,10 @@ class Run:
     eval_problems: Optional[list] = None
     sample_ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
     recorded: Optional[RecordedStream] = None  # --replay: the batches a run recorded, in place of the server (rank 0)
+    # the weights of the last push, frozen: pi_push of grpo/staleness.py (log.split_staleness, v > 1)
+    pushed_policy: Optional[Policy] = None
+    pushed_known: bool = False  # pushed_policy holds the push that alpha is (False after a resume that lost it)
+    probe: Optional[ParityProbe] = None  # the parity probe's sequences, every rank (grpo/parity.py)
 
     def close(self) -> None:
         self.sample_ahead.close()
@@ -149,7 +155,7 @@ class Run:
         if self.scorer is not None:
             self.scorer.close()
         # The sharded models hold the process group: release them so that it is freed here.
-        self.policy = self.ref_policy = self.optimizer = self.scheduler = self.checkpointer = None
+        self.policy = self.ref_policy = self.pushed_policy = self.optimizer = self.scheduler = self.checkpointer = None
         close_distributed()
 
 
@@ -197,19 +203,27 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         print(f"[train] objective {cfg.objective.loss} (is_correction {cfg.objective.correction}): "
               f"{objective_path} path", file=sys.stderr)
     ref_policy = build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
+    # staleness needs pi_push on the batches sampled after steps were taken since the push: v > 1
+    keeps_push = cfg.log.split_staleness and cfg.grpo.v > 1 and not cfg.replay
+    pushed_policy = build_policy(cfg, info.device, trainable=False) if keeps_push else None
     optimizer = build_optimizer(policy, cfg.optim)
     run = Run(cfg, info, run_dir, tokenizer, policy, ref_policy,
               optimizer, build_scheduler(optimizer, cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, cfg.optim),
               checkpointer, MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               StopFlag(), serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu), sampler=sampler,
               eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
-              shares_gpu_with_server=layout.shares_gpu, recorded=recorded)
+              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, pushed_policy=pushed_policy)
     progress = Progress()
+    if pushed_policy is not None and not resume:  # version 0, served from the model directory, is pi_theta_0
+        copy_policy(pushed_policy, policy)
+        run.pushed_known = True
     if resume:
         latest = run.checkpointer.latest()
         if latest is None:
             raise SystemExit(f"--resume: no complete checkpoint under {run.checkpointer.dir}")
-        saved = run.checkpointer.load(latest, policy, optimizer, ref_policy)
+        saved = run.checkpointer.load(latest, policy, optimizer, ref_policy, push_model=pushed_policy)
+        # saved inside a v-window with its copy of the pushed weights; else the next push makes one
+        run.pushed_known = pushed_policy is not None and Checkpointer.holds_push_model(latest)
         run.scheduler.load_state_dict(saved["scheduler"])
         progress = Progress.from_json(saved["progress"])
         if (latest / ALPHA_DIR).is_dir():  # saved inside a v-window: alpha's weights travel with it
@@ -217,6 +231,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         if info.is_main:
             run.sampler.load_state_dict(saved["sampler"])
         run.logger.truncate_after(progress.step)
+    run.probe = broadcast_probe(ParityProbe.load(run_dir) if info.is_main else None)  # a resumed run's probe
     if info.is_main and not cfg.replay:
         run.scorer = RewardScorer(cfg.reward)
         run.server = InferenceServer.launch(cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
@@ -233,6 +248,12 @@ def shared_run_name(cfg: TrainConfig) -> str:
     ranks that started on either side of a second, or nodes started apart, would otherwise write
     into different run directories."""
     return broadcast_json(cfg.log.run_name)
+
+
+def broadcast_probe(probe: Optional[ParityProbe]) -> Optional[ParityProbe]:
+    """Rank 0's parity probe on every rank (collective)."""
+    obj = broadcast_json(probe.to_json() if probe is not None else None)
+    return ParityProbe.from_json(obj) if obj is not None else None
 
 
 def named_input(key: str, load):
@@ -294,6 +315,9 @@ def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
     pushed = run.server.push(full_state, version, step=progress.step) if run.dist.is_main else None
     pushed = broadcast_json(pushed and {"bytes": float(pushed["bytes"]), "weights_dir": str(pushed["weights_dir"])})
     progress = progress.after_push(version, pushed["weights_dir"])
+    if run.pushed_policy is not None:  # pi_push for the staleness split of the window's batches
+        copy_policy(run.pushed_policy, run.policy)
+        run.pushed_known = True
     return progress, {"bytes": pushed["bytes"], "seconds": time.time() - t0}
 
 
@@ -414,21 +438,23 @@ class BatchCache:
     logp_k: list = field(default_factory=list)  # per micro-batch: pi_k's log-probs (the forward's own)
     logp_ref: list = field(default_factory=list)  # per micro-batch: pi_ref's log-probs (None at beta = 0)
     entropy_sum: Optional[float] = None  # pi_k's entropy summed over the batch's tokens (all ranks)
+    split: dict = field(default_factory=dict)  # alpha vs pi_k as mismatch + staleness (grpo/staleness.py), if known
 
 
-def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, denominators: tuple[int, int]
-                  ) -> tuple[dict[str, torch.Tensor], float]:
+def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, denominators: tuple[int, int],
+                  push_lagged: Optional[bool] = None) -> tuple[dict[str, torch.Tensor], float]:
     """One pass over this rank's micro-batches: forward, objective, backward (gradients accumulate).
     Returns the objective's statistics summed over micro-batches and ranks, and pi_k's entropy sum.
 
     On the first SGD iteration on a batch (an empty `cache`) the parameters are still pi_k, so pi_k's
     log-probs are the forward's own (detached) and are cached for the next i-1 iterations
     (ratio_anchor=exact needs them; approx uses them as PPO's pi_old); pi_ref's log-probs and pi_k's
-    entropy are computed once here too.
+    entropy are computed once here too, and so is the staleness split (push_lagged: see
+    `split_source`; None: not logged).
     """
     cfg, first = run.cfg, cache.entropy_sum is None
     num_seqs, num_tokens = denominators
-    totals, entropy_sum = None, torch.zeros((), device=run.dist.device)
+    totals, entropy_sum, split = None, torch.zeros((), device=run.dist.device), None
     for j, mb in enumerate(micro_batches):
         # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch.
         run.policy.set_requires_gradient_sync(j == len(micro_batches) - 1)
@@ -439,6 +465,11 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
                     logp_ref, _ = run.ref_policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
                                                  position_ids=mb.position_ids, segments=mb.segments)
             cache.logp_ref.append(logp_ref)
+            logp_push = None
+            if push_lagged:  # steps were taken since the push that sampled this batch: score with its weights
+                with torch.no_grad():
+                    logp_push, _ = run.pushed_policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
+                                                     position_ids=mb.position_ids, segments=mb.segments)
         mask = mb.completion_mask.bool()
         weights = token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=num_seqs,
                                 num_tokens=num_tokens, max_len=cfg.grpo.max_new_tokens, truncated=mb.truncated)[mask]
@@ -453,10 +484,59 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
             cache.logp_k.append(out.logp)
             # over active tokens, like every statistic of the objective (it is divided by their count)
             entropy_sum = entropy_sum + (out.entropy * (weights != 0)).sum()
+            if push_lagged is not None:  # not lagged: pi_push is pi_k, the very same log-probs
+                split = staleness.add_sums(split, staleness.split_sums(
+                    mb.logp_alpha, logp_push if push_lagged else out.logp, out.logp, weights != 0))
         totals = out.stats if totals is None else merge_stats(totals, out.stats)
     if first:
         cache.entropy_sum = all_reduce_sum({"entropy": entropy_sum})["entropy"]
+        if split is not None:
+            cache.split = staleness.split_means(all_reduce_sum(split))
     return all_reduce_stats(totals), cache.entropy_sum
+
+
+def split_source(run: Run, progress: Progress, rollout: Rollout) -> Optional[bool]:
+    """Where pi_push's log-probs come from for this batch's staleness split (grpo/staleness.py):
+    False: no optimizer step since the push that sampled it, so pi_push is pi_k (on policy, exactly);
+    True: steps were taken, the frozen copy of the pushed weights scores it; None: not known (the
+    split is not logged: replay, log.split_staleness off, a resume that lost the copy)."""
+    if not run.cfg.log.split_staleness or run.cfg.replay:
+        return None
+    pushes, steps = alpha_lag(progress, rollout.weights_version, progress.step)
+    if pushes != 0 or steps is None:
+        return None
+    if steps == 0:
+        return False
+    return True if run.pushed_policy is not None and run.pushed_known else None
+
+
+def probe_parity(run: Run, progress: Progress, rollout: Rollout, stage: int, k: int) -> dict:
+    """Right after a push (and at the start), before any step on the new weights: the engine and
+    the trainer score the run's probe with the same weights (grpo/parity.py). The probe is drawn
+    from the first batch that reaches here and kept with the run. {} when not due; parity_* and
+    time_parity on rank 0. Collective (the trainer's forward)."""
+    cfg = run.cfg.parity
+    if cfg.sequences == 0 or run.cfg.replay or progress.weights_version % cfg.every != 0:
+        return {}
+    t0 = time.time()
+    if run.probe is None:
+        probe = None
+        if run.dist.is_main:
+            probe = ParityProbe.draw(rollout.samples, cfg, run.cfg.grpo.G,
+                                     {"stage": stage, "iteration": k, "weights_version": progress.weights_version})
+            probe.save(run.run_dir)
+        run.probe = broadcast_probe(probe)
+    trainer = trainer_logprobs(run.policy, run.probe, run.tokenizer.pad_token_id, run.dist.device,
+                               run.cfg.optim.share_prompts)
+    if not run.dist.is_main:
+        return {}
+    scored = run.server.score(run.probe.pairs(), temperature=run.cfg.grpo.temperature, top_p=run.cfg.grpo.top_p)
+    if scored.weights_version != progress.weights_version:
+        raise RuntimeError(f"parity probe: the server scored with weights version {scored.weights_version}, the "
+                           f"trainer pushed version {progress.weights_version}")
+    stats = parity_stats(scored.logprobs, trainer, cfg.threshold)
+    warn_if_apart(stats, cfg, progress.weights_version)
+    return {**stats, "time_parity": time.time() - t0}
 
 
 def optimizer_step(run: Run) -> tuple[float, bool]:
@@ -478,14 +558,16 @@ def optimizer_step(run: Run) -> tuple[float, bool]:
 
 
 @torch.no_grad()
-def refresh_reference(ref_policy: Policy, policy: Policy) -> None:
-    """pi_ref <- pi_theta (end of a stage). Same sharding on both, so a local copy of each shard."""
+def copy_policy(frozen: Policy, policy: Policy) -> None:
+    """frozen <- pi_theta: pi_ref at the end of a stage, pi_push at a push. Same sharding on both,
+    so a local copy of each shard."""
     # FSDP2 leaves the root's parameters unsharded after a forward it did not backprop through
     # (the no-grad reference pass); reshard so both sides are DTensor shards.
-    ref_policy.reshard()
+    frozen.reshard()
     policy.reshard()
-    for p_ref, p in zip(ref_policy.parameters(), policy.parameters()):
-        p_ref.copy_(p)
+    for p_frozen, p in zip(frozen.parameters(), policy.parameters()):
+        p_frozen.copy_(p)
+
 
 
 def eval_due(cfg: TrainConfig, progress: Progress, stage: int, k: int) -> bool:
@@ -508,9 +590,11 @@ def save_checkpoint(run: Run, progress: Progress) -> None:
     state = {"progress": progress.to_json(), "sampler": sampler_state, "scheduler": run.scheduler.state_dict()}
     # Inside a v-window the sampler alpha is not pi_theta: keep its exact weights with the
     # checkpoint (the server's copy dies with the server) so a resume samples from alpha again.
-    inside_window = progress.iteration % run.cfg.grpo.v != 0 and progress.weights_dir
+    inside_window = progress.iteration % run.cfg.grpo.v != 0
+    keep_push = inside_window and run.pushed_policy is not None and run.pushed_known
     run.checkpointer.save(progress.step, run.policy, run.optimizer, run.ref_policy, trainer_state=state,
-                          extra_dirs={ALPHA_DIR: progress.weights_dir} if inside_window else None)
+                          extra_dirs={ALPHA_DIR: progress.weights_dir} if inside_window and progress.weights_dir else None,
+                          push_model=run.pushed_policy if keep_push else None)
 
 
 def finish(run: Run, progress: Progress) -> None:
@@ -551,15 +635,17 @@ def main(argv=None) -> int:
                 rollout = sample_batch(run, progress, k, seed)
                 if cfg.log.save_rollouts and run.dist.is_main:  # the batch as trained on (docs/offpolicy.md)
                     record_batch(run.run_dir, stage, k, seed, rollout)
+                # engine mismatch on the same weights: the parity probe, right after a push
+                parity = probe_parity(run, progress, rollout, stage, k) if k % cfg.grpo.v == 0 else {}
                 if run.dist.is_main and run.sample_ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
                     run.sample_ahead.start(run, progress, k + 1, batch_seed(cfg, stage, k + 1))
                 micro_batches, denominators, shape = plan_batch(run, rollout)
 
                 # i SGD iterations on this batch (pi_k = the policy before the first of them)
-                cache = BatchCache()
+                cache, push_lagged = BatchCache(), split_source(run, progress, rollout)
                 for it in range(cfg.grpo.i):
                     t0 = time.time()
-                    stats, entropy_sum = sgd_iteration(run, micro_batches, cache, denominators)
+                    stats, entropy_sum = sgd_iteration(run, micro_batches, cache, denominators, push_lagged)
                     grad_norm, finite = optimizer_step(run)
                     progress = progress.after_step(finite)
                     train_stats = finalize_stats(stats)
@@ -568,7 +654,7 @@ def main(argv=None) -> int:
                         entropy=metrics.per_token(entropy_sum, train_stats["num_tokens"]), grad_norm=grad_norm,
                         lr=run.scheduler.get_last_lr()[0], time_train=time.time() - t0, shape=shape,
                         time_sync=push["seconds"] if it == 0 else 0.0, sync_bytes=push["bytes"] if it == 0 else 0.0,
-                        iteration_seconds=time.time() - t_iter)
+                        iteration_seconds=time.time() - t_iter, instruments={**cache.split, **(parity if it == 0 else {})})
                     run.logger.log(row)
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row.get('kl', math.nan):.4f}",
@@ -586,7 +672,7 @@ def main(argv=None) -> int:
                     return 130
             # end of stage: pi_ref <- pi_theta
             if run.ref_policy is not None:
-                refresh_reference(run.ref_policy, run.policy)
+                copy_policy(run.ref_policy, run.policy)
             progress = replace(progress, stage=stage + 1, iteration=0)
         finish(run, progress)
         return 0

@@ -174,7 +174,7 @@ def _link_or_copy_tree(source: Path, dest: Path) -> None:
                 shutil.copyfile(f, dest / f.name)
 
 
-def _build_manifest(ckpt: Path, step: int, has_optimizer: bool, has_ref_model: bool) -> dict:
+def _build_manifest(ckpt: Path, step: int, has_optimizer: bool, has_ref_model: bool, has_push_model: bool) -> dict:
     files = {}
     for p in sorted(ckpt.rglob("*")):
         if p.is_file():
@@ -193,6 +193,7 @@ def _build_manifest(ckpt: Path, step: int, has_optimizer: bool, has_ref_model: b
         "world_size": _world_size(),
         "has_optimizer": has_optimizer,
         "has_ref_model": has_ref_model,
+        "has_push_model": has_push_model,
         "torch": torch.__version__,
         "files": files,
     }
@@ -320,7 +321,7 @@ class Checkpointer:
         every = self.cfg.every
         return every > 0 and step > 0 and step // every > (step - steps_taken) // every
 
-    def _state(self, model, optimizer, ref_model) -> dict:
+    def _state(self, model, optimizer, ref_model, push_model=None) -> dict:
         # Sharded state dicts: DTensors of this rank's shards; DCP writes each rank's part.
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -329,11 +330,15 @@ class Checkpointer:
             state = {"model": get_model_state_dict(model)}
         if ref_model is not None:
             state["ref_model"] = get_model_state_dict(ref_model)
+        if push_model is not None:
+            state["push_model"] = get_model_state_dict(push_model)
         return state
 
     def save(self, step: int, model, optimizer, ref_model=None, trainer_state: Optional[dict] = None,
-             extra_dirs: Optional[dict[str, str | os.PathLike]] = None) -> Path:
+             extra_dirs: Optional[dict[str, str | os.PathLike]] = None, push_model=None) -> Path:
         """Write checkpoint `step_<step>` (all ranks call) and prune to keep_last; returns its path.
+        `push_model`: the trainer's frozen copy of the weights it last pushed (saved inside a
+        v-window, where they differ from `model`; grpo/staleness.py).
         `extra_dirs` (name -> a directory on rank 0, e.g. the sampler alpha's weights inside a
         v-window) are stored in it under `name/` (hard links where the filesystem allows, else
         copies) and covered by its manifest like every other file."""
@@ -351,7 +356,7 @@ class Checkpointer:
 
         _run_on_rank0(prepare, f"checkpoint save: preparing {tmp}")
 
-        dcp.save(self._state(model, optimizer, ref_model), checkpoint_id=tmp)
+        dcp.save(self._state(model, optimizer, ref_model, push_model), checkpoint_id=tmp)
 
         from safetensors.torch import save_file
 
@@ -372,7 +377,8 @@ class Checkpointer:
             for name, source in (extra_dirs or {}).items():
                 _link_or_copy_tree(Path(source), tmp / name)
             write_durable(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1) + "\n")
-            manifest = json.dumps(_build_manifest(tmp, step, optimizer is not None, ref_model is not None), indent=1) + "\n"
+            manifest = json.dumps(_build_manifest(tmp, step, optimizer is not None, ref_model is not None,
+                                                push_model is not None), indent=1) + "\n"
             write_durable(tmp / MANIFEST, manifest)
             write_durable(tmp / COMPLETE, hashlib.sha256(manifest.encode()).hexdigest() + "\n")
             fsync_dir(tmp)
@@ -402,6 +408,11 @@ class Checkpointer:
         found = [(_step_of(p), p) for p in self.dir.iterdir() if p.is_dir()]
         return [p for _, p in sorted((s, p) for s, p in found if s is not None)]
 
+    @staticmethod
+    def holds_push_model(path: Path) -> bool:
+        """Whether checkpoint `path` (complete) holds a push_model."""
+        return bool(json.loads((Path(path) / MANIFEST).read_text()).get("has_push_model", False))
+
     def latest(self) -> Optional[Path]:
         """The newest checkpoint that is complete and matches its manifest; None if there is none.
 
@@ -413,8 +424,9 @@ class Checkpointer:
             warnings.warn(f"skipping checkpoint {path}: {problem}")
         return None
 
-    def load(self, path: Path, model, optimizer, ref_model=None) -> dict:
-        """Restore model, optimizer, ref model and this rank's RNG from `path` (all ranks call).
+    def load(self, path: Path, model, optimizer, ref_model=None, push_model=None) -> dict:
+        """Restore model, optimizer, ref model and this rank's RNG from `path` (all ranks call);
+        `push_model` too where the checkpoint holds one (`holds_push_model`), else it is left as is.
 
         Returns the trainer_state dict given to `save`."""
         path = Path(path)
@@ -426,7 +438,9 @@ class Checkpointer:
             raise CheckpointError(f"{path}: a ref_model was given but the checkpoint holds none")
         if optimizer is not None and not manifest["has_optimizer"]:
             raise CheckpointError(f"{path}: an optimizer was given but the checkpoint holds no optimizer state")
-        state = self._state(model, optimizer, ref_model)
+        if not manifest.get("has_push_model", False):
+            push_model = None
+        state = self._state(model, optimizer, ref_model, push_model)
         dcp.load(state, checkpoint_id=path)  # fills the DTensor shards in place
         if optimizer is not None:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -434,6 +448,8 @@ class Checkpointer:
             set_model_state_dict(model, state["model"])
         if ref_model is not None:
             set_model_state_dict(ref_model, state["ref_model"])
+        if push_model is not None:
+            set_model_state_dict(push_model, state["push_model"])
         trainer_state = json.loads((path / TRAINER_STATE).read_text())
 
         from safetensors import safe_open

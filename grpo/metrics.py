@@ -78,6 +78,11 @@ KEY_GROUPS: dict[str, str] = {
     "bound_*": "bound",
     # how stale alpha is: pushes and optimizer steps since the weights that sampled the batch
     "alpha_lag_*": "bound",
+    # alpha vs pi_k split into engine mismatch and staleness (grpo/staleness.py); the parity probe
+    # after a push (grpo/parity.py). tv_mismatch, tv_staleness fall under tv_* above.
+    "kl_mismatch": "bound",
+    "kl_staleness": "bound",
+    "parity_*": "bound",
 }
 
 # Config keys whose string values are credentials. `max_tokens` or `pad_token_id` do not match
@@ -100,6 +105,8 @@ class LogConfig:
     sample_table_every: int = 10  # log a table of prompts/completions/rewards every N iterations (0: never)
     progress: bool = True  # a progress bar on rank 0's stderr
     save_rollouts: bool = False  # write each batch as trained on to <run>/rollouts/ (Parquet; docs/offpolicy.md)
+    split_staleness: bool = True  # log alpha vs pi_k as engine mismatch + staleness; with v > 1 this keeps a
+    #                               frozen copy of the pushed weights and scores lagged batches with it (grpo/staleness.py)
 
     def __post_init__(self):
         if not isinstance(self.project, str) or not self.project.strip():
@@ -122,6 +129,8 @@ class LogConfig:
             raise ValueError(f"progress: expected true/false, got {self.progress!r}")
         if not isinstance(self.save_rollouts, bool):
             raise ValueError(f"save_rollouts: expected true/false, got {self.save_rollouts!r}")
+        if not isinstance(self.split_staleness, bool):
+            raise ValueError(f"split_staleness: expected true/false, got {self.split_staleness!r}")
 
 
 def group_key(key: str) -> str:
@@ -398,7 +407,8 @@ def per_token(total: float, num_tokens: float) -> float:
 
 def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_stats: dict, train_stats: dict, *,
               sampled_version: int, entropy: float, grad_norm: float, lr: float, time_train: float, time_sync: float,
-              sync_bytes: float, iteration_seconds: float, shape: Optional[dict] = None) -> dict:
+              sync_bytes: float, iteration_seconds: float, shape: Optional[dict] = None,
+              instruments: Optional[dict] = None) -> dict:
     """The row of one optimizer step. progress: grpo.progress.Progress after the step;
     sampled_version: the weights version that sampled the batch (grpo.rollout.Rollout.weights_version),
     for alpha's lag (grpo.progress.alpha_lag); train_stats: grpo.objective.finalize_stats of the step's
@@ -407,7 +417,9 @@ def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_
     step); iteration_seconds: wall time since the iteration began, push and eval included (logged as
     time_iteration, and the denominator of tokens_per_s); shape: train.plan_batch's train_tokens (the
     prompt + completion tokens the train part runs forward and backward, all ranks; masked groups
-    are skipped) and train_padded_tokens (the same with the micro-batches' padding)."""
+    are skipped) and train_padded_tokens (the same with the micro-batches' padding); instruments:
+    the off-policy instruments of this step (grpo/staleness.py's split, grpo/parity.py's probe
+    after a push), missing ones left out."""
     batch_tokens = rollout_stats["prompt_tokens"] + rollout_stats["completion_tokens"]
     # progress is after this step; the batch's first step began sgd_iteration + 1 steps ago
     lag_pushes, lag_steps = alpha_lag(progress, sampled_version, progress.step - sgd_iteration - 1)
@@ -421,7 +433,7 @@ def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_
         **defined({"entropy": entropy}), "grad_norm": grad_norm, "lr": lr, "nan_skips": progress.nan_skips,
         "time_train": time_train, "time_sync": time_sync, "sync_bytes": sync_bytes,
         "tokens_per_s": batch_tokens / max(iteration_seconds, 1e-9), "time_iteration": iteration_seconds,
-        **(shape or {}),
+        **(shape or {}), **defined(instruments or {}),
     }
 
 

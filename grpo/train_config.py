@@ -15,6 +15,7 @@ from grpo.evaluation import EvalConfig
 from grpo.metrics import LogConfig
 from grpo.objective import ObjectiveConfig
 from grpo.parallel import ParallelConfig
+from grpo.parity import ParityConfig
 from grpo.rewards import RewardConfig
 from grpo.serving.inference import ServerConfig
 from kernels import KernelConfig
@@ -99,6 +100,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)  # the log-prob parity probe after pushes (docs/offpolicy.md)
     eval: EvalConfig = field(default_factory=EvalConfig)
     eval_every: int = 0  # evaluate on the held-out set every N iterations (0: only before and after)
     eval_data: Optional[DataConfig] = None  # held-out problems for periodic eval (None: no periodic eval)

@@ -27,7 +27,7 @@ with torch.no_grad():
     for p in policy.parameters():
         p.add_(0.01)  # pi_theta moves away from pi_ref
     before = (policy(ids, index, targets)[0] - ref(ids, index, targets)[0]).abs().max().item()
-    train.refresh_reference(ref, policy)
+    train.copy_policy(ref, policy)
     after = (policy(ids, index, targets)[0] - ref(ids, index, targets)[0]).abs().max().item()
 if info.rank == 0:
     print(json.dumps({"before": before, "after": after}))

@@ -91,6 +91,8 @@ def test_resume_inside_a_v_window_samples_from_alpha_again(model_dir, tmp_path, 
     assert full.returncode == 0, full.stderr[-4000:]
     ckpt = tmp_path / "full" / "checkpoints" / "step_4"
     assert (ckpt / "alpha" / "model.safetensors").is_file()  # alpha travelled with the checkpoint
+    # and so did the trainer's copy of the pushed weights, which the staleness split scores with
+    assert json.loads((ckpt / "manifest.json").read_text())["has_push_model"]
 
     import shutil
     shutil.copytree(tmp_path / "full", tmp_path / "crash", symlinks=True)
@@ -105,9 +107,9 @@ def test_resume_inside_a_v_window_samples_from_alpha_again(model_dir, tmp_path, 
     assert sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):
         for key in ("reward_mean", "loss", "grad_norm", "kl", "tv_pik_alpha", "completion_len_mean",
-                    "weights_version"):
+                    "weights_version", "tv_staleness", "kl_staleness", "tv_mismatch"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
-    assert b[5]["weights_version"] == 1
+    assert b[5]["weights_version"] == 1 and b[5]["tv_staleness"] > 0  # lagged: scored with the saved copy
     if mode == "default_root":
         _check_sample_ahead_changes_nothing(model_dir, tmp_path, common, a)
         _check_server_deaths_change_nothing(model_dir, tmp_path, common, a)

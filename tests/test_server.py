@@ -101,6 +101,150 @@ def test_generate_g_samples_with_temperature_scaled_logprobs(server, tiny):
             assert not torch.allclose(expected, raw, atol=2e-3)  # the check can tell the two apart
 
 
+def _hf_scores(hf, pairs, T: float, top_k: int = -1) -> list[torch.Tensor]:
+    """log alpha(c_t | prompt, c_<t) recomputed with HF: log_softmax(logits / T) over the top_k kept
+    logits (-inf outside them), per (prompt, completion) pair."""
+    out = []
+    for ids, completion in pairs:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + completion])).logits[0, len(ids) - 1: -1] / T
+        if top_k > 0:
+            logits = logits.masked_fill(logits < logits.topk(top_k, -1).values[:, -1:], float("-inf"))
+        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0])
+    return out
+
+
+def _max_abs_diff(a: list[list[float]], b) -> float:
+    return max(float((torch.tensor(x) - torch.as_tensor(y)).abs().max()) for x, y in zip(a, b))
+
+
+# Scored vs sampled log-probs, both from this fp32 engine through the same sampler code; only the
+# forward differs (a prefill of prompt + c_<t instead of a decode step, in another batch), which moves
+# fp32 logits by ~1e-6 at most. Measured: max |diff| exactly 0 over 64 tokens. 1e-4 keeps two orders of
+# margin and is still 100x below what T = 1 instead of 0.7, or one perturbed push, changes.
+SCORE_ATOL = 1e-4
+
+
+def _sampled_pairs(server, tiny, T: float, n: int = 4):
+    """n completions per prompt sampled at T from what the server serves: (pairs, their sampled log-probs)."""
+    res = server.generate(tiny["prompt_ids"], n=n, max_tokens=8, temperature=T)
+    pairs = [(ids, c.token_ids) for ids, per_prompt in zip(tiny["prompt_ids"], res.completions) for c in per_prompt]
+    return pairs, [c.logprobs for per_prompt in res.completions for c in per_prompt]
+
+
+@pytest.mark.vllm
+def test_score_gives_the_log_probs_the_sampler_gave_its_samples(server, tiny):
+    """/grpo/score of sampled completions at the sampling temperature repeats the log-probs
+    /grpo/generate reported for them (the same sampler code, one request per position) and HF's
+    log_softmax(logits / T); at T = 1 it gives other numbers, and with top_k the tokens outside
+    the k kept ones score -inf (null on the wire)."""
+    version = _push_next(server, tiny["hf"].state_dict())  # the weights HF recomputes with
+    T = 0.7
+    pairs, sampled = _sampled_pairs(server, tiny, T)
+    scored = server.score(pairs, temperature=T)
+    assert scored.weights_version == version
+    assert [len(s) for s in scored.logprobs] == [len(c) for _, c in pairs]
+    diff = _max_abs_diff(scored.logprobs, sampled)
+    print(f"max |scored - sampled| at T={T}: {diff:.3g} over {sum(map(len, sampled))} tokens")
+    assert diff <= SCORE_ATOL, diff
+    expected = _hf_scores(tiny["hf"], pairs, T)
+    assert _max_abs_diff(scored.logprobs, expected) < 2e-3
+    at_one = server.score(pairs, temperature=1.0)
+    assert _max_abs_diff(at_one.logprobs, _hf_scores(tiny["hf"], pairs, 1.0)) < 2e-3
+    assert _max_abs_diff(at_one.logprobs, scored.logprobs) > 100 * SCORE_ATOL  # T is applied, not ignored
+    top_k = server.score(pairs, temperature=T, top_k=5)
+    expected = _hf_scores(tiny["hf"], pairs, T, top_k=5)
+    assert any(torch.isinf(e).any() for e in expected)  # some sampled tokens are outside the top 5
+    for got, want in zip(top_k.logprobs, expected):
+        got = torch.tensor(got)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), (got, want)
+        assert torch.allclose(got[torch.isfinite(got)], want[torch.isfinite(want)], atol=2e-3)
+
+
+@pytest.mark.vllm
+def test_score_follows_the_pushed_weights(server, tiny):
+    """The same completions scored before and after a push of perturbed weights: the numbers are
+    the new weights' (HF with them) and far from the old ones, and the reply names the new version."""
+    import copy
+
+    _push_next(server, tiny["hf"].state_dict())
+    T = 0.7
+    pairs, _ = _sampled_pairs(server, tiny, T, n=2)
+    before = server.score(pairs, temperature=T)
+    sd = _perturbed(tiny["hf"], seed=23)
+    version = _push_next(server, sd)
+    after = server.score(pairs, temperature=T)
+    assert after.weights_version == version == before.weights_version + 1
+    assert _max_abs_diff(after.logprobs, before.logprobs) > 100 * SCORE_ATOL
+    perturbed = copy.deepcopy(tiny["hf"])
+    perturbed.load_state_dict(sd)
+    assert _max_abs_diff(after.logprobs, _hf_scores(perturbed, pairs, T)) < 2e-3
+
+
+@pytest.mark.vllm
+def test_the_parity_probe_catches_a_perturbed_engine_weight_and_is_quiet_otherwise(server, tiny, capsys):
+    """grpo/parity.py end to end through the real engine: the trainer (train.py's Policy on the HF
+    weights) and the engine score the probe's tokens. Served the trainer's own weights, the two agree
+    (no token past the threshold, no warning); served weights with ONE matrix perturbed, which the
+    trainer does not have, the probe reports the gap and warns in one line."""
+    from grpo.parity import ParityConfig, ParityProbe, parity_stats, trainer_logprobs, warn_if_apart
+    from grpo.policy import Policy
+    from grpo.rollout import Sample
+    from kernels import KernelConfig
+
+    T, cfg = 0.7, ParityConfig(sequences=4, max_tokens=8)
+    hf = tiny["hf"]
+    _push_next(server, hf.state_dict())
+    pairs, sampled = _sampled_pairs(server, tiny, T)
+    batch = [Sample(group=j // 4, prompt_ids=ids, completion_ids=c, logp_alpha=lp, truncated=False)
+             for j, ((ids, c), lp) in enumerate(zip(pairs, sampled))]
+    probe = ParityProbe.draw(batch, cfg, G=4, where={"iteration": 0})
+    trainer = trainer_logprobs(Policy(hf, T, KernelConfig(backend="torch")), probe, pad_id=0,
+                               device=torch.device("cpu"), share_prompts=False)
+
+    def probe_engine(version):
+        scored = server.score(probe.pairs(), temperature=T)
+        assert scored.weights_version == version
+        stats = parity_stats(scored.logprobs, trainer, cfg.threshold)
+        return stats, warn_if_apart(stats, cfg, version)
+
+    same, warned = probe_engine(server.weights_version())
+    print(f"same weights: {same}")
+    assert warned is None and same["parity_frac_over"] == 0.0 and same["parity_max_abs"] < 1e-3
+    assert same["parity_tokens"] == probe.num_tokens > 0
+    capsys.readouterr()
+
+    one = "model.layers.1.mlp.down_proj.weight"
+    g = torch.Generator().manual_seed(5)
+    sd = {k: v + 0.05 * torch.randn(v.shape, generator=g) if k == one else v for k, v in hf.state_dict().items()}
+    version = _push_next(server, sd)
+    apart, warned = probe_engine(version)
+    print(f"{one} perturbed on the engine only: {apart}")
+    assert apart["parity_kl"] > cfg.warn_kl and apart["parity_frac_over"] > 0.0
+    assert apart["parity_max_abs"] > 100 * same["parity_max_abs"]
+    assert warned is not None and capsys.readouterr().err == warned + "\n"
+
+
+@pytest.mark.vllm
+def test_score_refuses_bad_sequences_naming_the_index(server, tiny):
+    """An out-of-vocabulary id, a sequence longer than max_model_len (256 here), an empty
+    completion or prompt: 400 naming the sequence, and no restart (the same process serves on)."""
+    pid = server.pid
+    good = (tiny["prompt_ids"][0], [5, 6])
+    vocab = tiny["hf"].config.vocab_size
+    cases = [((tiny["prompt_ids"][1], [7, vocab + 5]), r"sequences\[1\]\.completion_token_ids has token id"),
+             (([vocab], [7]), r"sequences\[1\]\.prompt_token_ids has token id"),
+             (([3] * 250, [7] * 7), r"sequences\[1\]: 250 prompt \+ 7 completion tokens exceed max_model_len 256"),
+             ((tiny["prompt_ids"][1], []), r"sequences\[1\]\.completion_token_ids is empty"),
+             (([], [7]), r"sequences\[1\]\.prompt_token_ids is empty")]
+    for bad, match in cases:
+        with pytest.raises(InferenceServerError, match=match) as e:
+            server.score([good, bad], temperature=1.0)
+        assert e.value.status == 400 and not isinstance(e.value, ServerUnavailableError)
+    assert server.pid == pid
+    assert len(server.score([good, ([3] * 249, [7] * 7)], temperature=1.0).logprobs[1]) == 7  # 256 tokens fit
+
+
 @pytest.mark.vllm
 def test_seeded_batches_repeat_exactly(server, tiny):
     """A seeded batch depends only on (weights, prompts, seed), whatever ran before it."""

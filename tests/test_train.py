@@ -3,6 +3,7 @@
 configs/tiny_test.yaml: S=2 stages of M=2 iterations, v=2, i=2, beta>0, exact ratio anchor.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -89,6 +90,65 @@ def test_each_batch_is_recorded_with_the_weights_that_sampled_it_and_its_lag(two
     rows = [r for r in read_rows(two_rank_run) if "loss" in r]
     assert [r["alpha_lag_steps"] for r in rows] == [0, 0, 2, 2, 0, 0, 2, 2]
     assert {r["alpha_lag_pushes"] for r in rows} == {0}
+
+
+def test_every_step_logs_the_split_and_each_push_the_parity_probe(two_rank_run):
+    """2 ranks, v = 2, i = 2: every row splits alpha vs pi_k into mismatch and staleness (the
+    window's first batch exactly 0 staleness), and the rows right after the start and the push
+    carry the parity probe, drawn from the first batch and kept with the run."""
+    rows = [r for r in read_rows(two_rank_run) if "loss" in r]
+    probe = json.loads((two_rank_run / "parity_probe.json").read_text())
+    assert len(probe["sequences"]) == 4 and probe["drawn_at"] == {"stage": 0, "iteration": 0, "weights_version": 0}
+    assert [("parity_kl" in r) for r in rows] == [True, False, False, False, True, False, False, False]
+    for r in rows:
+        assert {"tv_mismatch", "kl_mismatch", "tv_staleness", "kl_staleness"} <= set(r)
+        if r["alpha_lag_steps"] == 0:
+            assert r["tv_staleness"] == 0.0 and r["kl_staleness"] == 0.0
+    for r in rows[0], rows[4]:
+        assert r["parity_tokens"] == sum(len(s["completion_ids"]) for s in probe["sequences"])
+        # the same weights, so only numerics apart: a float32 engine and a trainer in float32, or in
+        # bf16 where this CPU multiplies it (model.dtype=auto), are far closer than other weights
+        assert 0.0 <= r["parity_max_abs"] < 0.5 and 0.0 <= r["parity_kl"] < 1e-2
+
+
+@pytest.fixture(scope="module")
+def nucleus_run(model_dir, tmp_path_factory):
+    """1 rank, v = 2, i = 1, top_p = 0.9: alpha's log-probs are renormalised over the nucleus and
+    the trainer's are not, a mismatch the engine makes on the same weights, large enough to compare
+    the probe with; parity.sequences = the whole first batch (4 prompts x G = 8)."""
+    out = tmp_path_factory.mktemp("nucleus")
+    proc = subprocess.run(train_cmd(1, model_dir, out, "nucleus", "grpo.S=1", "grpo.M=4", "grpo.i=1",
+                                    "grpo.batch_prompts=4", "grpo.top_p=0.9", "parity.sequences=32",
+                                    "objective.beta=0", "optim.lr=1e-2", "eval_data=null", "checkpoint.every=0"),
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return [r for r in read_rows(out / "nucleus") if "loss" in r]
+
+
+def test_staleness_is_exactly_zero_on_policy_and_mismatch_is_what_the_parity_probe_measures(nucleus_run):
+    """grpo/staleness.py and grpo/parity.py in a live run. The first batch of each v-window is
+    trained from the weights that sampled it: staleness exactly 0, and all of alpha vs pi_k is
+    engine mismatch, which on the first batch is what the parity probe (that very batch, scored by
+    the engine and the trainer on the same weights just before) measures. The window's second batch
+    was sampled one optimizer step before it is trained on: staleness > 0 once the policy moved."""
+    rows = nucleus_run
+    assert [r["alpha_lag_steps"] for r in rows] == [0, 1, 0, 1]
+    assert [("parity_kl" in r) for r in rows] == [True, False, True, False]
+    for r in rows[0], rows[2]:
+        assert r["tv_staleness"] == 0.0 and r["kl_staleness"] == 0.0
+        assert r["tv_mismatch"] == pytest.approx(r["tv_pik_alpha"], rel=1e-4)
+        assert r["kl_mismatch"] == pytest.approx(r["kl_pik_alpha"], rel=1e-3)
+    # a probe token the pushed weights' nucleus leaves out is counted apart, never an infinite mean
+    assert all(math.isfinite(r["parity_kl"]) and 0.0 <= r["parity_filtered_frac"] < 1.0 for r in (rows[0], rows[2]))
+    first = rows[0]
+    assert first["kl_mismatch"] > 1e-3  # the nucleus gap is there to be measured
+    assert first["parity_kl"] == pytest.approx(first["kl_mismatch"], rel=1e-3)
+    assert first["parity_tv"] == pytest.approx(first["tv_mismatch"], rel=1e-3)
+    moved = [r["grad_norm"] > 0 for r in rows]
+    assert moved[0] or moved[2], "no learning signal: the staleness check would prove nothing"
+    for lagged, before in ((rows[1], rows[0]), (rows[3], rows[2])):
+        if before["grad_norm"] > 0:  # the step between the push and this batch moved the policy
+            assert lagged["tv_staleness"] > 1e-4 and lagged["kl_staleness"] > 0
 
 
 TRAINING_NUMBERS = ("loss", "kl", "clip_frac", "grad_norm", "entropy", "tv_pik_alpha", "is_weight_mean",

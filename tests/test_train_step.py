@@ -104,7 +104,7 @@ def test_first_loss_matches_plain_hf_and_objective(results):
 
 
 def test_reference_swap_under_bf16_mixed_precision(results):
-    """refresh_reference after no-grad forwards (the root left unsharded) copies every shard."""
+    """copy_policy after no-grad forwards (the root left unsharded) copies every shard."""
     model_dir, _, _ = results
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -1,0 +1,181 @@
+"""The log-prob parity probe: engine mismatch measured where the weights are the same.
+
+Right after a push the inference engine serves the weights the trainer holds (cast to the serving
+dtype), yet the two compute different log-probs for the same tokens: other kernels, precision,
+batch shapes. That gap is part of every importance weight pi_k / alpha and is not staleness. The
+probe measures it alone:
+
+    probe = ParityProbe.draw(first_batch_samples, cfg)   # once per run, kept in <run>/parity_probe.json
+    engine = server.score(probe.pairs(), T, top_p)       # the engine's sampler log-probs of the probe's tokens
+    trainer = trainer_logprobs(policy, probe, ...)       # the trainer's, same weights, same T
+    row.update(parity_stats(engine.logprobs, trainer, cfg.threshold))
+
+after each push (every `parity.every`-th), before the first optimizer step on the new weights.
+The probe's tokens are fixed for the run, so its numbers are comparable from push to push: a gap
+that grows at a constant weight history points at the engine, not at the policy.
+
+Per token, d = log pi_trainer - log pi_engine and w = exp(d); the statistics are those the trainer
+logs of pi_k against alpha (grpo/objective.py: tv = |w - 1| / 2, kl_pik_alpha = w - 1 - log w)
+with the engine in alpha's place, so on the probe's own tokens, on policy, the per-batch mismatch
+(grpo/staleness.py) and the probe measure the same quantity (docs/offpolicy.md).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from grpo.fsutil import fsync_dir, write_durable
+
+PROBE_FILE = "parity_probe.json"
+FORMAT = "grpo-parity-probe/1"
+
+
+@dataclass
+class ParityConfig:
+    """The `parity:` section: the log-prob parity probe (docs/offpolicy.md)."""
+
+    sequences: int = 4  # probe sequences, drawn once from the run's first batch (0: no probe)
+    max_tokens: int = 64  # completion tokens scored per probe sequence (its first ones)
+    every: int = 1  # probe after every n-th push (the engine scores one request per probe token)
+    threshold: float = 0.1  # |log pi_trainer - log pi_engine| above which a token counts in parity_frac_over
+    warn_kl: float = 1e-2  # one warning line when parity_kl (per token) exceeds this (bf16 engines sit near 1e-3)
+
+    def __post_init__(self):
+        for name in ("sequences", "max_tokens", "every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "sequences" else 1):
+                bound = ">= 0 (0: no probe)" if name == "sequences" else ">= 1"
+                raise ValueError(f"{name}: must be an integer {bound}, got {value!r}")
+        for name in ("threshold", "warn_kl"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}: must be > 0, got {value!r}")
+
+
+@dataclass
+class ProbeSequence:
+    prompt_ids: list[int]
+    completion_ids: list[int]  # the first parity.max_tokens tokens of a sampled completion
+
+
+@dataclass
+class ParityProbe:
+    sequences: list[ProbeSequence]
+    drawn_at: dict  # where it came from: {"stage", "iteration", "weights_version"}
+
+    @classmethod
+    def draw(cls, samples: list, cfg: ParityConfig, G: int, where: dict) -> "ParityProbe":
+        """`cfg.sequences` sequences of a batch (grpo.rollout.Sample, a group's G adjacent): the first
+        completion of each group first, so the probe covers as many prompts as it can, then the
+        second of each, and so on. Deterministic: a resumed run that draws again draws the same."""
+        order = [j * G + r for r in range(G) for j in range(len(samples) // G)]
+        chosen = [samples[i] for i in order[:cfg.sequences]]
+        return cls([ProbeSequence(list(s.prompt_ids), list(s.completion_ids[:cfg.max_tokens])) for s in chosen],
+                   dict(where))
+
+    def pairs(self) -> list[tuple[list[int], list[int]]]:
+        return [(s.prompt_ids, s.completion_ids) for s in self.sequences]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.completion_ids) for s in self.sequences)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "drawn_at": self.drawn_at, "sequences": [asdict(s) for s in self.sequences]}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "ParityProbe":
+        if obj.get("format") != FORMAT:
+            raise ValueError(f"not a parity probe of format {FORMAT}: {obj.get('format')!r}")
+        return cls([ProbeSequence(**s) for s in obj["sequences"]], obj["drawn_at"])
+
+    def save(self, run_dir: str | os.PathLike) -> Path:
+        """Atomically, beside the run's config: a resumed run probes the same tokens."""
+        path = Path(run_dir) / PROBE_FILE
+        tmp = path.with_name(f".{PROBE_FILE}.tmp")
+        write_durable(tmp, json.dumps(self.to_json()) + "\n")
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        return path
+
+    @classmethod
+    def load(cls, run_dir: str | os.PathLike) -> Optional["ParityProbe"]:
+        path = Path(run_dir) / PROBE_FILE
+        return cls.from_json(json.loads(path.read_text())) if path.is_file() else None
+
+
+def parity_stats(engine: list[list[float]], trainer: list[list[float]], threshold: float) -> dict[str, float]:
+    """The probe's numbers from the engine's and the trainer's log-probs of the same tokens (lists
+    per sequence). Over the N probe tokens:
+      parity_tokens                     N
+      parity_filtered_frac              fraction the engine's top-k/top-p filter leaves out under the
+                                        served weights (log-prob -inf; the trainer has no such filter):
+                                        a probe token drawn by an older alpha can leave the nucleus
+    and over the others, with d = trainer - engine and w = exp(d):
+      parity_max_abs, parity_mean_abs   max and mean |d|
+      parity_kl                         mean of w - 1 - log w (k3: KL(engine || trainer) on engine-sampled tokens, >= 0)
+      parity_tv                         mean of |w - 1| / 2
+      parity_frac_over                  fraction of tokens with |d| > threshold
+    (missing when the engine filtered every token)."""
+    if [len(e) for e in engine] != [len(t) for t in trainer]:
+        raise ValueError(f"parity: engine scored {[len(e) for e in engine]} tokens per sequence, "
+                         f"the trainer {[len(t) for t in trainer]}")
+    e = torch.tensor([x for seq in engine for x in seq], dtype=torch.float64)
+    t = torch.tensor([x for seq in trainer for x in seq], dtype=torch.float64)
+    stats = {"parity_tokens": float(e.numel())}
+    if e.numel() == 0:
+        return stats
+    filtered = torch.isneginf(e)
+    stats["parity_filtered_frac"] = float(filtered.double().mean())
+    if bool(filtered.all()):
+        return stats
+    d = (t - e)[~filtered]
+    w = torch.exp(d)
+    return {**stats, "parity_max_abs": float(d.abs().max()), "parity_mean_abs": float(d.abs().mean()),
+            "parity_kl": float((w - 1.0 - d).mean()), "parity_tv": float((0.5 * (w - 1.0).abs()).mean()),
+            "parity_frac_over": float((d.abs() > threshold).double().mean())}
+
+
+@torch.no_grad()
+def trainer_logprobs(policy, probe: ParityProbe, pad_id: int, device: torch.device, share_prompts: bool
+                     ) -> list[list[float]]:
+    """The trainer's log-probs of the probe's completion tokens at the policy's temperature, one
+    forward of the whole probe (collective under FSDP: every rank calls with the same probe).
+    share_prompts: the model's attention takes grpo.batching.collate_groups rows (a group of one
+    per probe sequence)."""
+    from grpo.batching import collate, collate_groups
+    from grpo.rollout import Sample
+
+    samples = [Sample(group=j, prompt_ids=s.prompt_ids, completion_ids=s.completion_ids,
+                      logp_alpha=[0.0] * len(s.completion_ids), truncated=False)
+               for j, s in enumerate(probe.sequences)]
+    mb = collate_groups([[s] for s in samples], pad_id, device) if share_prompts else collate(samples, pad_id, device)
+    logp, _ = policy(mb.input_ids, mb.completion_index, mb.completion_tokens, position_ids=mb.position_ids,
+                     segments=mb.segments)
+    flat = logp.float().cpu().tolist()
+    out, start = [], 0
+    for s in probe.sequences:
+        out.append(flat[start:start + len(s.completion_ids)])
+        start += len(s.completion_ids)
+    return out
+
+
+def warn_if_apart(stats: dict[str, float], cfg: ParityConfig, version: int) -> Optional[str]:
+    """One line on stderr when the engine and the trainer disagree past parity.warn_kl on the same
+    weights; returns it (None when quiet)."""
+    kl = stats.get("parity_kl")
+    if kl is None or not kl > cfg.warn_kl:
+        return None
+    line = (f"[train] parity: the engine and the trainer disagree on weights version {version}: KL {kl:.3g} per "
+            f"token > parity.warn_kl {cfg.warn_kl:g} (max |d log p| {stats['parity_max_abs']:.3g}, "
+            f"{100 * stats['parity_frac_over']:.1f}% of the scored probe tokens past {cfg.threshold:g}); "
+            "docs/offpolicy.md")
+    print(line, file=sys.stderr)
+    return line

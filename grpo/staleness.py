@@ -1,0 +1,57 @@
+"""Staleness and engine mismatch: the two parts of alpha != pi_k, per batch.
+
+The trainer logs how far the sampler alpha is from pi_k on each batch (tv_pik_alpha, kl_pik_alpha:
+grpo/objective.py, from w = pi_k / alpha on alpha's tokens). Two different things make w differ
+from 1, and this module logs them apart with pi_push, the trainer's policy at the push of the
+weights that sampled the batch:
+
+  mismatch   pi_push vs alpha: the same weights, computed by the engine and by the trainer
+             (kernels, precision, batch shapes). w_push = pi_push / alpha.
+  staleness  pi_k vs pi_push: the optimizer steps taken since that push (v > 1, sample-ahead).
+
+Per active token (weights != 0, as every statistic of the objective):
+  tv_mismatch  = |w_push - 1| / 2                  (tv_pik_alpha with pi_push in pi_k's place)
+  kl_mismatch  = w_push - 1 - log w_push           (kl_pik_alpha likewise: KL(alpha || pi_push), k3)
+  tv_staleness = |w - w_push| / 2                  (TV(pi_k, pi_push) estimated on alpha's tokens)
+  kl_staleness = w - w_push - w_push log(w / w_push)   (KL(pi_push || pi_k), k3, importance-weighted
+                                                    from alpha's tokens by w_push; >= 0)
+On policy (the batch's first optimizer step is the step of its push: v = 1, or the first batch of
+a v-window, no sample-ahead lag) pi_push is pi_k itself: the trainer passes the same log-probs, so
+both staleness terms are exactly 0 and the mismatch terms equal tv_pik_alpha and kl_pik_alpha.
+Otherwise the trainer scores the batch with a frozen copy of the weights it pushed (`push_policy`
+in train.py; log.split_staleness). The triangle inequality bounds the total:
+tv_pik_alpha <= tv_mismatch + tv_staleness; on k1 estimates the split would be exactly additive.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+SPLIT_KEYS = ("tv_mismatch", "kl_mismatch", "tv_staleness", "kl_staleness")
+
+
+def split_sums(logp_alpha: Tensor, logp_push: Tensor, logp_k: Tensor, active: Tensor) -> dict[str, Tensor]:
+    """Sums over active tokens of the four per-token terms (flat [N] tensors, fp32 or wider) and
+    their count, to add over micro-batches and ranks before `split_means`."""
+    a = active.bool()
+    logp_alpha, logp_push, logp_k = (t.detach().double()[a] for t in (logp_alpha, logp_push, logp_k))
+    log_m = logp_push - logp_alpha
+    log_w = logp_k - logp_alpha
+    w_m, w = torch.exp(log_m), torch.exp(log_w)
+    return {"tokens": a.sum().double(),
+            "tv_mismatch": (0.5 * (w_m - 1.0).abs()).sum(),
+            "kl_mismatch": (w_m - 1.0 - log_m).sum(),
+            "tv_staleness": (0.5 * (w - w_m).abs()).sum(),
+            "kl_staleness": (w - w_m - w_m * (log_w - log_m)).sum()}
+
+
+def add_sums(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, Tensor]:
+    return b if a is None else {key: a[key] + b[key] for key in b}
+
+
+def split_means(sums: dict[str, float]) -> dict[str, float]:
+    """Per-token means (NaN, so missing from the row, when no token was active)."""
+    n = float(sums["tokens"])
+    return {key: float(sums[key]) / n if n > 0 else math.nan for key in SPLIT_KEYS}
