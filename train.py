@@ -53,6 +53,7 @@ from grpo.progress import Progress, alpha_lag
 from grpo.recording import RecordedStream, ReplayError, record_batch
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
+from grpo.serving.client import InferenceServerError
 from grpo.serving.inference import InferenceServer, check_context_fits, serving_dtype
 from grpo.shared_prompt import use_shared_prompt_attention
 from grpo.train_config import TrainConfig
@@ -231,13 +232,13 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         if info.is_main:
             run.sampler.load_state_dict(saved["sampler"])
         run.logger.truncate_after(progress.step)
-    run.probe = broadcast_probe(ParityProbe.load(run_dir) if info.is_main else None)  # a resumed run's probe
+        run.probe = broadcast_probe(saved_probe(cfg, run_dir) if info.is_main else None)  # the run's own tokens
     if info.is_main and not cfg.replay:
         run.scorer = RewardScorer(cfg.reward)
         run.server = InferenceServer.launch(cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
                                             gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
     # the CPU fence's one hook (nothing off CPU): malloc, the LM head's GEMMs, cores shared with the engine
-    tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy], run.sample_ahead, run.server)
+    tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy, pushed_policy], run.sample_ahead, run.server)
     if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir and not cfg.replay:
         progress = reserve_alpha(run, progress)
     return run, progress
@@ -248,6 +249,17 @@ def shared_run_name(cfg: TrainConfig) -> str:
     ranks that started on either side of a second, or nodes started apart, would otherwise write
     into different run directories."""
     return broadcast_json(cfg.log.run_name)
+
+
+def saved_probe(cfg: TrainConfig, run_dir: Path) -> Optional[ParityProbe]:
+    """The parity probe a resumed run drew before, if drawn with the parity settings it has now
+    (else it is drawn again, from the next probed batch, and the run says so)."""
+    probe = ParityProbe.load(run_dir)
+    if probe is not None and not probe.drawn_with(cfg.parity):
+        print(f"[train] resume: the parity probe in {run_dir} was drawn with other parity settings "
+              f"({probe.settings()}); drawing a new one", file=sys.stderr)
+        return None
+    return probe
 
 
 def broadcast_probe(probe: Optional[ParityProbe]) -> Optional[ParityProbe]:
@@ -470,6 +482,8 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
                 with torch.no_grad():
                     logp_push, _ = run.pushed_policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
                                                      position_ids=mb.position_ids, segments=mb.segments)
+                if j == len(micro_batches) - 1:  # a no-grad forward leaves FSDP2's root gathered: free it
+                    run.pushed_policy.reshard()
         mask = mb.completion_mask.bool()
         weights = token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=num_seqs,
                                 num_tokens=num_tokens, max_len=cfg.grpo.max_new_tokens, truncated=mb.truncated)[mask]
@@ -528,15 +542,26 @@ def probe_parity(run: Run, progress: Progress, rollout: Rollout, stage: int, k: 
         run.probe = broadcast_probe(probe)
     trainer = trainer_logprobs(run.policy, run.probe, run.tokenizer.pad_token_id, run.dist.device,
                                run.cfg.optim.share_prompts)
-    if not run.dist.is_main:
-        return {}
-    scored = run.server.score(run.probe.pairs(), temperature=run.cfg.grpo.temperature, top_p=run.cfg.grpo.top_p)
-    if scored.weights_version != progress.weights_version:
-        raise RuntimeError(f"parity probe: the server scored with weights version {scored.weights_version}, the "
-                           f"trainer pushed version {progress.weights_version}")
-    stats = parity_stats(scored.logprobs, trainer, cfg.threshold)
-    warn_if_apart(stats, cfg, progress.weights_version)
-    return {**stats, "time_parity": time.time() - t0}
+    outcome = None
+    if run.dist.is_main:
+        try:
+            scored = run.server.score(run.probe.pairs(), temperature=run.cfg.grpo.temperature,
+                                      top_p=run.cfg.grpo.top_p)
+        except InferenceServerError as e:  # a diagnostic: say it failed, train on
+            print(f"[train] parity probe skipped at weights version {progress.weights_version}: {e}", file=sys.stderr)
+            outcome = {"stats": {}}
+        else:
+            if scored.weights_version != progress.weights_version:  # every rank stops, none waits for rank 0
+                outcome = {"error": f"parity probe: the server scored with weights version {scored.weights_version}, "
+                                    f"the trainer pushed version {progress.weights_version}"}
+            else:
+                stats = parity_stats(scored.logprobs, trainer, cfg.threshold)
+                warn_if_apart(stats, cfg, progress.weights_version)
+                outcome = {"stats": {**stats, "time_parity": time.time() - t0}}
+    outcome = broadcast_json(outcome)
+    if "error" in outcome:
+        raise RuntimeError(outcome["error"])
+    return outcome["stats"] if run.dist.is_main else {}
 
 
 def optimizer_step(run: Run) -> tuple[float, bool]:

@@ -22,7 +22,6 @@ with the engine in alpha's place, so on the probe's own tokens, on policy, the p
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -68,7 +67,7 @@ class ProbeSequence:
 @dataclass
 class ParityProbe:
     sequences: list[ProbeSequence]
-    drawn_at: dict  # where it came from: {"stage", "iteration", "weights_version"}
+    drawn_at: dict  # where it came from: {"stage", "iteration", "weights_version"} and the settings it was drawn with
 
     @classmethod
     def draw(cls, samples: list, cfg: ParityConfig, G: int, where: dict) -> "ParityProbe":
@@ -78,7 +77,14 @@ class ParityProbe:
         order = [j * G + r for r in range(G) for j in range(len(samples) // G)]
         chosen = [samples[i] for i in order[:cfg.sequences]]
         return cls([ProbeSequence(list(s.prompt_ids), list(s.completion_ids[:cfg.max_tokens])) for s in chosen],
-                   dict(where))
+                   {**where, "sequences": cfg.sequences, "max_tokens": cfg.max_tokens})
+
+    def settings(self) -> dict:
+        return {key: self.drawn_at.get(key) for key in ("sequences", "max_tokens")}
+
+    def drawn_with(self, cfg: ParityConfig) -> bool:
+        """Whether this probe is what `cfg` would draw (its sequences and token cut)."""
+        return self.settings() == {"sequences": cfg.sequences, "max_tokens": cfg.max_tokens}
 
     def pairs(self) -> list[tuple[list[int], list[int]]]:
         return [(s.prompt_ids, s.completion_ids) for s in self.sequences]
@@ -120,7 +126,9 @@ def parity_stats(engine: list[list[float]], trainer: list[list[float]], threshol
                                         a probe token drawn by an older alpha can leave the nucleus
     and over the others, with d = trainer - engine and w = exp(d):
       parity_max_abs, parity_mean_abs   max and mean |d|
-      parity_kl                         mean of w - 1 - log w (k3: KL(engine || trainer) on engine-sampled tokens, >= 0)
+      parity_kl                         mean of w - 1 - log w (>= 0; the k3 term of kl_mismatch: on the tokens
+                                        alpha sampled, an estimate of KL(alpha || trainer); on the fixed probe
+                                        after later pushes, a divergence score on fixed tokens)
       parity_tv                         mean of |w - 1| / 2
       parity_frac_over                  fraction of tokens with |d| > threshold
     (missing when the engine filtered every token)."""

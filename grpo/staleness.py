@@ -19,8 +19,9 @@ On policy (the batch's first optimizer step is the step of its push: v = 1, or t
 a v-window, no sample-ahead lag) pi_push is pi_k itself: the trainer passes the same log-probs, so
 both staleness terms are exactly 0 and the mismatch terms equal tv_pik_alpha and kl_pik_alpha.
 Otherwise the trainer scores the batch with a frozen copy of the weights it pushed (`push_policy`
-in train.py; log.split_staleness). The triangle inequality bounds the total:
-tv_pik_alpha <= tv_mismatch + tv_staleness; on k1 estimates the split would be exactly additive.
+in train.py; log.split_staleness). The triangle inequality bounds the total, token by token:
+tv_pik_alpha <= tv_mismatch + tv_staleness. The KL parts are not additive. With top-p < 1 every
+estimate here, like tv_pik_alpha, covers alpha's nucleus only (alpha never samples outside it).
 """
 from __future__ import annotations
 
@@ -36,15 +37,15 @@ def split_sums(logp_alpha: Tensor, logp_push: Tensor, logp_k: Tensor, active: Te
     """Sums over active tokens of the four per-token terms (flat [N] tensors, fp32 or wider) and
     their count, to add over micro-batches and ranks before `split_means`."""
     a = active.bool()
-    logp_alpha, logp_push, logp_k = (t.detach().double()[a] for t in (logp_alpha, logp_push, logp_k))
+    # inactive tokens (padding, masked groups) may hold anything: zero their log-probs before the
+    # maths and their terms after it (torch.where, not indexing: no host sync on a GPU)
+    logp_alpha, logp_push, logp_k = (torch.where(a, t.detach().double(), 0.0) for t in (logp_alpha, logp_push, logp_k))
     log_m = logp_push - logp_alpha
     log_w = logp_k - logp_alpha
     w_m, w = torch.exp(log_m), torch.exp(log_w)
-    return {"tokens": a.sum().double(),
-            "tv_mismatch": (0.5 * (w_m - 1.0).abs()).sum(),
-            "kl_mismatch": (w_m - 1.0 - log_m).sum(),
-            "tv_staleness": (0.5 * (w - w_m).abs()).sum(),
-            "kl_staleness": (w - w_m - w_m * (log_w - log_m)).sum()}
+    terms = {"tv_mismatch": 0.5 * (w_m - 1.0).abs(), "kl_mismatch": w_m - 1.0 - log_m,
+             "tv_staleness": 0.5 * (w - w_m).abs(), "kl_staleness": w - w_m - w_m * (log_w - log_m)}
+    return {"tokens": a.sum().double(), **{key: torch.where(a, t, 0.0).sum() for key, t in terms.items()}}
 
 
 def add_sums(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -82,6 +82,8 @@ def test_the_probe_takes_one_completion_per_prompt_first_then_cuts_them(tmp_path
     assert [s.prompt_ids[-1] for s in probe.sequences] == [3, 4, 5, 3, 4]
     assert [s.completion_ids for s in probe.sequences] == [list(range(10, 20))] * 3 + [list(range(11, 23))] * 2
     assert probe.num_tokens == 3 * 10 + 2 * 12
+    assert probe.drawn_with(ParityConfig(sequences=5, max_tokens=12))
+    assert not probe.drawn_with(ParityConfig(sequences=5, max_tokens=64))  # a resume with other settings draws anew
     probe.save(tmp_path)
     assert ParityProbe.load(tmp_path) == probe
     assert not list(tmp_path.glob(".*"))  # the temporary file was renamed into place

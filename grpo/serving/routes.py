@@ -170,20 +170,26 @@ class Routes:
             )
         except ValueError as e:  # e.g. n > 1 with temperature 0
             return error(400, str(e))
+        version, completions = await self.on_one_version(
+            lambda: self.seeded_batch(req, params) if req.seed is not None else self.batch(req, params))
+        if isinstance(completions, JSONResponse):
+            return completions
+        return {"completions": completions, "weights_version": version, "engine": self.control.batch_figures()}
+
+    async def on_one_version(self, work) -> tuple[int, object]:
+        """(the weights version, await work()) with every engine call of `work` on that version: the
+        read side of the push gate is held, so a push waits for it. A request the engine refuses
+        gives (version, a 400 reply), an engine that died under it (version, a 503 reply)."""
         async with self.state.gate.reading():
             version = self.state.version  # fixed while we read: a push waits for us
             try:
-                if req.seed is not None:
-                    completions = await self.seeded_batch(req, params)
-                else:
-                    completions = await self.batch(req, params)
+                return version, await work()
             except ValueError as e:
-                return error(400, str(e))
+                return version, error(400, str(e))
             except Exception as e:
                 if self.engine.errored:
-                    return error(503, f"the vLLM engine died: {type(e).__name__}: {e}")
+                    return version, error(503, f"the vLLM engine died: {type(e).__name__}: {e}")
                 raise
-        return {"completions": completions, "weights_version": version, "engine": self.control.batch_figures()}
 
     async def batch(self, req: GenerateRequest, params) -> list[list[dict]]:
         """The prompts as independent requests, interleaved with any others."""
@@ -266,19 +272,15 @@ class Routes:
                 final = out
             return scored_logprob(final, token)
 
-        async with self.state.gate.reading():
-            version = self.state.version  # fixed while we read: a push waits for us
-            try:
-                await self.control.use(None)  # all of a CPU engine's threads, as an unsplit generate batch
-                # every position of every sequence at once: the scheduler batches them
-                flat = await asyncio.gather(*(one(i, t) for i, seq in enumerate(req.sequences)
-                                              for t in range(len(seq.completion_token_ids))))
-            except ValueError as e:
-                return error(400, str(e))
-            except Exception as e:
-                if self.engine.errored:
-                    return error(503, f"the vLLM engine died: {type(e).__name__}: {e}")
-                raise
+        async def every_position():
+            await self.control.use(None)  # all of a CPU engine's threads, as an unsplit generate batch
+            # every position of every sequence at once: the scheduler batches them
+            return await asyncio.gather(*(one(i, t) for i, seq in enumerate(req.sequences)
+                                          for t in range(len(seq.completion_token_ids))))
+
+        version, flat = await self.on_one_version(every_position)
+        if isinstance(flat, JSONResponse):
+            return flat
         logprobs, k = [], 0
         for seq in req.sequences:
             logprobs.append(flat[k:k + len(seq.completion_token_ids)])
