@@ -161,6 +161,34 @@ def test_resume_is_exact(world_of_one, model_dir, tmp_path):
     assert optimizer2.param_groups[0]["lr"] == 1e-2
 
 
+def test_the_push_copy_travels_with_a_checkpoint_that_holds_one(world_of_one, model_dir, tmp_path):
+    """A checkpoint saved inside a v-window holds the trainer's frozen copy of the pushed weights
+    (grpo/staleness.py): load restores it. One saved without (at a window boundary, or before the
+    copy existed) says so, and load leaves a given copy untouched instead of failing."""
+    vocab = load_model(model_dir).config.vocab_size
+    torch.manual_seed(0)
+    model, optimizer = build(model_dir)
+    pushed, _ = build(model_dir, trainable=False)
+    scramble(pushed)  # not the policy's weights: the copy must come back as itself
+    train_step(model, optimizer, vocab)
+    ck = Checkpointer(CheckpointConfig(keep_last=3), tmp_path / "run")
+    with_copy = ck.save(1, model, optimizer, trainer_state={"step": 1}, push_model=pushed)
+    without = ck.save(2, model, optimizer, trainer_state={"step": 2})
+    assert Checkpointer.holds_push_model(with_copy) and not Checkpointer.holds_push_model(without)
+    expected = full_params(pushed)
+
+    model2, optimizer2 = build(model_dir)
+    pushed2, _ = build(model_dir, trainable=False)
+    scramble(pushed2)
+    left = full_params(pushed2)
+    ck.load(without, model2, optimizer2, push_model=pushed2)
+    assert all(torch.equal(v, left[k]) for k, v in full_params(pushed2).items())  # untouched
+    ck.load(with_copy, model2, optimizer2, push_model=pushed2)
+    got = full_params(pushed2)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert not all(torch.equal(got[k], full_params(model2)[k]) for k in expected)  # its own weights, not the policy's
+
+
 def test_latest_skips_broken_and_prunes(world_of_one, model_dir, tmp_path):
     torch.manual_seed(0)
     model, optimizer = build(model_dir)
