@@ -482,8 +482,6 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
                 with torch.no_grad():
                     logp_push, _ = run.pushed_policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
                                                      position_ids=mb.position_ids, segments=mb.segments)
-                if j == len(micro_batches) - 1:  # a no-grad forward leaves FSDP2's root gathered: free it
-                    run.pushed_policy.reshard()
         mask = mb.completion_mask.bool()
         weights = token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=num_seqs,
                                 num_tokens=num_tokens, max_len=cfg.grpo.max_new_tokens, truncated=mb.truncated)[mask]
@@ -503,6 +501,8 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
                     mb.logp_alpha, logp_push if push_lagged else out.logp, out.logp, weights != 0))
         totals = out.stats if totals is None else merge_stats(totals, out.stats)
     if first:
+        if push_lagged:  # its no-grad forwards left FSDP2's root gathered: free it until the next lagged batch
+            run.pushed_policy.reshard()
         cache.entropy_sum = all_reduce_sum({"entropy": entropy_sum})["entropy"]
         if split is not None:
             cache.split = staleness.split_means(all_reduce_sum(split))
@@ -592,7 +592,6 @@ def copy_policy(frozen: Policy, policy: Policy) -> None:
     policy.reshard()
     for p_frozen, p in zip(frozen.parameters(), policy.parameters()):
         p_frozen.copy_(p)
-
 
 
 def eval_due(cfg: TrainConfig, progress: Progress, stage: int, k: int) -> bool:

@@ -142,14 +142,20 @@ class Routes:
         return {"weights_version": self.state.version, "step": self.state.step, "dir": self.state.serving_dir.name}
 
     # -- generation
+    def refuse_ids(self, where: str, ids: list[int], empty: str = "is empty") -> Optional[str]:
+        """Why `ids` (named `where` in the reply) cannot go to the engine: none, or one outside the
+        vocabulary (None: they can)."""
+        if not ids:
+            return f"{where} {empty}"
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        return f"{where} has token id {bad[0]} outside [0, {self.vocab_size})" if bad else None
+
     def refuse_prompts(self, req: GenerateRequest) -> Optional[str]:
         """Why the server cannot take these prompts (None: it can)."""
         for i, ids in enumerate(req.prompt_token_ids):
-            if not ids:
-                return f"prompt_token_ids[{i}] is empty"
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                return f"prompt_token_ids[{i}] has token id {bad[0]} outside [0, {self.vocab_size})"
+            refused = self.refuse_ids(f"prompt_token_ids[{i}]", ids)
+            if refused:
+                return refused
             if len(ids) + req.max_tokens > self.max_model_len:
                 return (f"prompt_token_ids[{i}]: {len(ids)} prompt + {req.max_tokens} new tokens "
                         f"exceed max_model_len {self.max_model_len}")
@@ -225,14 +231,11 @@ class Routes:
     def refuse_sequences(self, req: ScoreRequest) -> Optional[str]:
         """Why the server cannot score these sequences (None: it can)."""
         for i, seq in enumerate(req.sequences):
-            if not seq.prompt_token_ids:
-                return f"sequences[{i}].prompt_token_ids is empty"
-            if not seq.completion_token_ids:
-                return f"sequences[{i}].completion_token_ids is empty: nothing to score"
-            for name in ("prompt_token_ids", "completion_token_ids"):
-                bad = [t for t in getattr(seq, name) if not 0 <= t < self.vocab_size]
-                if bad:
-                    return f"sequences[{i}].{name} has token id {bad[0]} outside [0, {self.vocab_size})"
+            refused = (self.refuse_ids(f"sequences[{i}].prompt_token_ids", seq.prompt_token_ids)
+                       or self.refuse_ids(f"sequences[{i}].completion_token_ids", seq.completion_token_ids,
+                                          empty="is empty: nothing to score"))
+            if refused:
+                return refused
             total = len(seq.prompt_token_ids) + len(seq.completion_token_ids)
             if total > self.max_model_len:
                 return (f"sequences[{i}]: {len(seq.prompt_token_ids)} prompt + {len(seq.completion_token_ids)} "
