@@ -43,8 +43,9 @@ from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_mode
 from grpo import staleness
 from grpo.optim import build_optimizer, build_scheduler
 from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
-from grpo.objective import (all_reduce_stats, check_objective_path, contributing, finalize_stats,
-                            local_denominators, merge_stats, token_weights)
+from grpo.kernel_dispatch import check_objective_path
+from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, merge_stats,
+                            token_weights)
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
                            gather_full_state_dict, init_distributed, launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, Policy
@@ -674,7 +675,8 @@ def main(argv=None) -> int:
                     progress = progress.after_step(finite)
                     train_stats = finalize_stats(stats)
                     row = metrics.train_row(
-                        progress, stage, k, it, rollout.stats, train_stats, sampled_version=rollout.weights_version,
+                        progress=progress, stage=stage, iteration=k, sgd_iteration=it, rollout_stats=rollout.stats,
+                        train_stats=train_stats, sampled_version=rollout.weights_version,
                         entropy=metrics.per_token(entropy_sum, train_stats["num_tokens"]), grad_norm=grad_norm,
                         lr=run.scheduler.get_last_lr()[0], time_train=time.time() - t0, shape=shape,
                         time_sync=push["seconds"] if it == 0 else 0.0, sync_bytes=push["bytes"] if it == 0 else 0.0,

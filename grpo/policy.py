@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 
 import kernels
-from grpo.objective import ObjectiveConfig, objective_of_hidden
+from grpo.kernel_dispatch import objective_of_hidden
+from grpo.objective import ObjectiveConfig
 
 
 @dataclass

@@ -30,7 +30,15 @@ import math
 import torch
 from torch import Tensor
 
-SPLIT_KEYS = ("tv_mismatch", "kl_mismatch", "tv_staleness", "kl_staleness")
+from grpo import metrics
+
+SPLIT_KEYS = metrics.declare_many("bound", {
+    "tv_mismatch": "the part of alpha vs pi_k that is engine mismatch: `tv_pik_alpha` with pi_push (the trainer's "
+                   "policy at the push that sampled the batch) in pi_k's place ([offpolicy.md](offpolicy.md))",
+    "kl_mismatch": "the same for `kl_pik_alpha`: KL(alpha || pi_push), k3",
+    "tv_staleness": "the part that is staleness: TV(pi_k, pi_push) on alpha's tokens; exactly 0 on policy",
+    "kl_staleness": "KL(pi_push || pi_k) on alpha's tokens, importance-weighted; exactly 0 on policy",
+})
 
 
 def split_sums(logp_alpha: Tensor, logp_push: Tensor, logp_k: Tensor, active: Tensor) -> dict[str, Tensor]:

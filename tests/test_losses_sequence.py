@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from grpo.objective import (ObjectiveConfig, check_objective_path, finalize_stats, group_advantages,
-                            local_denominators, merge_stats, needs_sequences, objective, objective_fn_for,
-                            objective_of_hidden, objective_path, token_weights)
+from grpo.advantages import group_advantages
+from grpo.kernel_dispatch import check_objective_path, objective_fn_for, objective_of_hidden, objective_path
+from grpo.losses import needs_sequences
+from grpo.objective import ObjectiveConfig, finalize_stats, local_denominators, merge_stats, objective, token_weights
 from kernels import KernelConfig
 
 from hand_computed import D, L, close, t  # noqa: F401
@@ -133,7 +134,7 @@ def test_gspo_token_equals_gspo_with_one_advantage_per_sequence(aggregation):
 def test_gspo_masked_groups_truncated_sequences_and_padding_garbage():
     # Rewards: group 0 (seqs 0, 1) all equal -> eq. 8 masks it; group 1 (seqs 2, 3) mixed.
     # Sequence 3 is truncated and mask_truncated drops it. Padding holds garbage.
-    cfg = gspo_cfg(mask_zero_variance=True, mask_truncated=True, adv_scale="none")
+    cfg = gspo_cfg(mask_zero_variance=True, mask_truncated=True, advantage="none")
     adv, seq_weight, _ = group_advantages(t([1, 1, 1, 0]), 2, cfg)
     close(adv, [0.0, 0.0, 0.5, -0.5])
     truncated = torch.tensor([False, False, False, True])
