@@ -371,7 +371,21 @@ def sequence_ratio(x: LossInputs, cfg) -> tuple[Tensor, Tensor, Tensor]:
     return seqs.per_token(torch.exp(mean_log_ratio)), one, x.w_bar if x.corrected else one
 
 
-@register_loss("gspo", per="sequence", anchored=True, preset="gspo", knobs=_GSPO_KNOBS,
+def _check_gspo(cfg) -> None:
+    """GSPO's ratio s_i is length-normalised (a geometric mean); under the exact anchor its anchor
+    s'_i is the geometric mean of w_bar, which a sequence-level correction sets to min(rho_i, C) on
+    every token: a product over the sequence, not length-normalised, so even a cap that never binds
+    would change the loss (s'_i = rho_i instead of rho_i^(1/|y|)). The geometric level bounds the
+    same length-normalised weight GSPO's ratio uses: that is the consistent choice."""
+    name = correction_name(cfg)
+    if cfg.ratio_anchor == "exact" and CORRECTIONS[name].level == "sequence":
+        geometric = name.replace("sequence_", "geometric_")
+        raise ValueError(f"is_correction: {name} under ratio_anchor exact gives {cfg.loss}'s anchor the product "
+                         f"min(rho_i, is_cap), while its ratio is a per-token geometric mean; use {geometric} (the "
+                         f"same bound on the length-normalised weight), or ratio_anchor approx")
+
+
+@register_loss("gspo", per="sequence", anchored=True, preset="gspo", knobs=_GSPO_KNOBS, check=_check_gspo,
                paper="2507.18071 (GSPO)",
                equation="-outer * min(s_i A_i, clip(s_i, max(s'_i - gspo_eps_low, 0), s'_i + gspo_eps_high) A_i), "
                         "s_i = exp(mean_t log(pi/old)) per sequence")
@@ -382,13 +396,16 @@ def gspo(x: LossInputs, cfg) -> PolicyTerms:
     return clipped_surrogate(s, anchor, outer, x.adv, cfg.gspo_eps_low, cfg.gspo_eps_high)
 
 
-@register_loss("gspo_token", per="sequence", anchored=True, preset="gspo_token", knobs=_GSPO_KNOBS,
+@register_loss("gspo_token", per="sequence", anchored=True, preset="gspo_token", knobs=_GSPO_KNOBS, check=_check_gspo,
                paper="2507.18071 (GSPO-token)",
                equation="as gspo with s_{i,t} = sg[s_i] pi(y_t) / sg[pi(y_t)]")
 def gspo_token(x: LossInputs, cfg) -> PolicyTerms:
     """GSPO-token: every token carries its sequence's ratio as value, sg[s_i] * pi_t / sg[pi_t], so
-    its gradient is s_i grad log pi_t; with one advantage per sequence (as here) it is GSPO's
-    gradient, and the form admits per-token advantages."""
+    its gradient is outer_t s_i grad log pi_t, where GSPO's spreads the sequence's mean of outer_t
+    over its tokens. With one advantage per sequence the two are the same update exactly when outer
+    is constant within each sequence: always under ratio_anchor exact (outer = 1), and under approx
+    with no correction or a sequence / geometric one; a token-level correction under approx
+    (outer = w_bar_t) makes them differ. The form admits per-token advantages."""
     s, anchor, outer = sequence_ratio(x, cfg)
     s_token = s.detach() * torch.exp(x.logp - x.logp.detach())
     return clipped_surrogate(s_token, anchor, outer, x.adv, cfg.gspo_eps_low, cfg.gspo_eps_high)
