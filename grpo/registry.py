@@ -68,14 +68,16 @@ def check_knobs(cfg, knobs: list[Knob]) -> None:
 # ----------------------------------------------------------------------------------------------
 
 _SECTIONS: list[tuple[type, Callable[[], list[Knob]]]] = []
+_ADDED: dict[type, set] = {}  # the fields each section got from knobs
 
 
 def with_knobs(knobs: Callable[[], list[Knob]]):
-    """Class decorator, above @dataclass: every knob `knobs()` lists becomes a field of the
+    """Class decorator, below @dataclass: every knob `knobs()` lists becomes a field of the
     section, now and whenever a registry gains one (`add_knobs` rebuilds the dataclass)."""
 
     def decorate(cls):
         _SECTIONS.append((cls, knobs))
+        _ADDED[cls] = set()
         _set_fields(cls, knobs())
         return cls
     return decorate
@@ -88,14 +90,15 @@ def add_knobs() -> None:
         _set_fields(cls, knobs())
 
 
-def drop_knobs(names) -> None:
-    """The fields of knobs no registry holds any more (a test that registered and removed one)."""
+def prune_knobs() -> None:
+    """Remove the fields of knobs no registry lists any more (an entry registered, then removed:
+    tests that load a user's module and take it back)."""
     for cls, knobs in _SECTIONS:
-        current = {k.name for k in knobs()}
-        gone = [n for n in names if n not in current and n in cls.__dataclass_fields__]
+        gone = _ADDED[cls] - {k.name for k in knobs()}
         for name in gone:
             del cls.__annotations__[name]
             delattr(cls, name)
+        _ADDED[cls] -= gone
         if gone:
             _rebuild(cls)
 
@@ -108,6 +111,7 @@ def _set_fields(cls, knobs: list[Knob]) -> None:
     for knob in new:
         cls.__annotations__[knob.name] = knob.type
         setattr(cls, knob.name, knob.default)
+        _ADDED[cls].add(knob.name)
     if dataclasses.is_dataclass(cls):
         _rebuild(cls)
 

@@ -147,7 +147,7 @@ def test_registration_refuses_duplicates_and_takes_knobs_after_the_config_was_bu
             load_config(TrainConfig, overrides=["objective.toy_knob=-1"])
     finally:
         del LOSSES["toy_knobbed"]
-        registry.drop_knobs(["toy_knob"])
+        registry.prune_knobs()
     assert "toy_knob" not in ObjectiveConfig.__dataclass_fields__
     with pytest.raises(ConfigError, match="unknown key objective.toy_knob"):
         load_config(TrainConfig, overrides=["objective.toy_knob=2"])

@@ -5,6 +5,7 @@ import pytest
 from grpo.config import ConfigError, load_config
 from grpo.rewards import TERMS, Completion, RewardConfig, RewardScorer, register_term, reward_range
 from grpo.train_config import TrainConfig
+from plugins import registered
 
 
 def completion(text: str, num_tokens: int = 10, max_tokens: int = 100, gold: str = "4", truncated: bool = False):
@@ -58,16 +59,13 @@ def test_a_term_registered_from_a_users_file_with_its_knob(tmp_path):
         "               knobs=(Knob('concise_power', 1.0, float, 'exponent'),))\n"
         "def concise(c, cfg):\n"
         "    return (1.0 - c.num_tokens / c.max_tokens) ** cfg.concise_power\n")
-    try:
+    with registered(plugin):
         cfg = load_config(TrainConfig, overrides=[f"plugins=[{plugin}]", "reward.terms={correct: 1.0, concise: 0.5}",
                                                   "reward.concise_power=2", "reward.workers=0"])
         with RewardScorer(cfg.reward) as scorer:
             rewards, _ = scorer.score([completion(r"\boxed{4}", num_tokens=50)])
         assert rewards == [1.0 + 0.5 * 0.25]
-    finally:
-        TERMS.pop("concise", None)
-        from grpo import registry
-        registry.drop_knobs(["concise_power"])
+    assert "concise" not in TERMS and "concise_power" not in RewardConfig.__dataclass_fields__
 
 
 def test_bad_terms_are_refused_naming_the_key():
