@@ -44,8 +44,8 @@ from grpo import staleness
 from grpo.optim import build_optimizer, build_scheduler
 from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
 from grpo.kernel_dispatch import check_objective_path
-from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, merge_stats,
-                            token_weights)
+from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, logged_stats,
+                            merge_stats, token_weights)
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
                            gather_full_state_dict, init_distributed, launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, Policy
@@ -673,7 +673,7 @@ def main(argv=None) -> int:
                     stats, entropy_sum = sgd_iteration(run, micro_batches, cache, denominators, push_lagged)
                     grad_norm, finite = optimizer_step(run)
                     progress = progress.after_step(finite)
-                    train_stats = finalize_stats(stats)
+                    train_stats = logged_stats(finalize_stats(stats))
                     row = metrics.train_row(
                         progress=progress, stage=stage, iteration=k, sgd_iteration=it, rollout_stats=rollout.stats,
                         train_stats=train_stats, sampled_version=rollout.weights_version,

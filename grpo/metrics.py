@@ -434,8 +434,8 @@ def train_row(*, progress, stage: int, iteration: int, sgd_iteration: int, rollo
               instruments: Optional[dict] = None) -> dict:
     """The row of one optimizer step. progress: grpo.progress.Progress after the step;
     rollout_stats: grpo.rollout.Rollout.stats, every key logged as named there (its "engine" dict:
-    what the inference engine reports of the batch); train_stats: grpo.objective.finalize_stats
-    of the step's objective, logged as grpo.objective.logged_stats names them;
+    what the inference engine reports of the batch); train_stats: the step's objective statistics
+    as grpo.objective.logged_stats names them;
     sampled_version: the weights version that sampled the batch (grpo.rollout.Rollout.weights_version),
     for alpha's lag (grpo.progress.alpha_lag); entropy: of pi_k on the batch per active token
     (`per_token`: NaN, so missing, when no token is active); time_sync / sync_bytes: the push before
@@ -444,8 +444,6 @@ def train_row(*, progress, stage: int, iteration: int, sgd_iteration: int, rollo
     train.plan_batch's train_tokens and train_padded_tokens; instruments: the off-policy
     instruments of this step (grpo/staleness.py's split, grpo/parity.py's probe after a push).
     A statistic that is missing (NaN: of an empty set) is left out."""
-    from grpo.objective import logged_stats
-
     batch_tokens = rollout_stats["prompt_tokens"] + rollout_stats["completion_tokens"]
     # progress is after this step; the batch's first step began sgd_iteration + 1 steps ago
     lag_pushes, lag_steps = alpha_lag(progress, sampled_version, progress.step - sgd_iteration - 1)
@@ -456,7 +454,7 @@ def train_row(*, progress, stage: int, iteration: int, sgd_iteration: int, rollo
         "alpha_lag_pushes": lag_pushes, **defined({"alpha_lag_steps": lag_steps}),
         **defined(rollout),
         **defined(rollout_stats.get("engine", {})),  # as the engine reports them (CPU: its threads; GPU: none)
-        **defined(logged_stats(train_stats)),
+        **defined(train_stats),
         **defined({"entropy": entropy}), "grad_norm": grad_norm, "lr": lr, "nan_skips": progress.nan_skips,
         "time_train": time_train, "time_sync": time_sync, "sync_bytes": sync_bytes,
         "tokens_per_s": batch_tokens / max(iteration_seconds, 1e-9), "time_iteration": iteration_seconds,

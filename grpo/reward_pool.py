@@ -38,41 +38,39 @@ PIPELINE_MAX_CHARS = 16_000  # larger tasks go only to idle workers (socket buff
 Result = tuple[Optional[float], str, Optional[str]]
 
 
-def load_terms(sources: list[tuple[str, str]]) -> dict:
-    """The term registry with the terms of `sources` registered: (module, file) pairs, a plugin
-    module (grpo.registry.import_plugin) by its file, any other by its name."""
+def load_terms(sources: dict[str, tuple[str, str, str]]) -> dict:
+    """name -> function for each term of `sources`: name -> (module, file, function name); a plugin
+    module (grpo.registry.import_plugin) is imported by its file, any other by its name."""
     from grpo import registry
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": the pool bounds it
-    for module, file in sources:
-        if module.startswith(registry.PLUGIN_PREFIX):
-            registry.import_plugin(file)
-        else:
-            importlib.import_module(module)
-    from grpo.rewards import TERMS
-    return TERMS
+    out = {}
+    for name, (module, file, attr) in sources.items():
+        loaded = registry.import_plugin(file) if module.startswith(registry.PLUGIN_PREFIX) \
+            else importlib.import_module(module)
+        out[name] = getattr(loaded, attr)
+    return out
 
 
-def run_term(terms: dict, name: str, completion, cfg) -> Result:
-    """One task, as a worker and the in-process path run it: the term's value, status, answer."""
-    from grpo.rewards import Scored
-
+def run_term(fn, completion, cfg) -> Result:
+    """One task, as a worker and the in-process path run it: the term's value, status, answer (a
+    term returns a number, or an object with value, status and answer: grpo.rewards.Scored)."""
     try:
-        out = terms[name].fn(completion, cfg)
+        out = fn(completion, cfg)
     except Exception as e:  # a broken term on one completion: counted, scored as its minimum
         return None, f"error: {type(e).__name__}: {e}"[:200], None
-    if isinstance(out, Scored):
+    if hasattr(out, "status"):
         return float(out.value), out.status, out.answer
     return float(out), "ok", None
 
 
-def _worker_main(fd: int, sources: list[tuple[str, str]], cfg: dict) -> None:
+def _worker_main(fd: int, sources: dict[str, tuple[str, str, str]], setups: list[tuple[str, str, str]],
+                 cfg: dict) -> None:
     """Worker loop on a socket: receive (key, term, completion), send (key, value, status, answer)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; close() ends us
     terms = load_terms(sources)
-    for term in terms.values():  # what the terms import, before saying ready, so deadlines exclude it
-        if term.setup is not None:
-            term.setup()
+    for setup in load_terms(dict(enumerate(setups))).values():  # slow imports, before saying ready,
+        setup()                                                # so that deadlines exclude them
     settings = SimpleNamespace(**cfg)
     conn = multiprocessing.connection.Connection(fd)
     conn.send("ready")
@@ -84,7 +82,7 @@ def _worker_main(fd: int, sources: list[tuple[str, str]], cfg: dict) -> None:
         if message is None:
             return
         key, name, completion = message
-        conn.send((key, *run_term(terms, name, completion, settings)))
+        conn.send((key, *run_term(terms[name], completion, settings)))
 
 
 class _Worker:
@@ -93,12 +91,12 @@ class _Worker:
     socket pair with multiprocessing's message framing. -I: neither the working directory nor
     PYTHON* variables can shadow modules; it gets the trainer's sys.path explicitly."""
 
-    def __init__(self, sources: list[tuple[str, str]], cfg: dict):
+    def __init__(self, sources: dict, setups: list, cfg: dict):
         parent_sock, child_sock = socket.socketpair()
         self.conn = multiprocessing.connection.Connection(parent_sock.detach())
         child_fd = child_sock.detach()
         code = (f"import sys; sys.path[:] = {sys.path!r}; from grpo.reward_pool import _worker_main; "
-                f"_worker_main({child_fd}, {sources!r}, {cfg!r})")
+                f"_worker_main({child_fd}, {sources!r}, {setups!r}, {cfg!r})")
         try:
             self.process = subprocess.Popen([sys.executable, "-I", "-c", code], pass_fds=[child_fd],
                                             stdin=subprocess.DEVNULL)
@@ -123,15 +121,16 @@ class _Deadline(Exception):
 class WorkerPool:
     """Runs (term, completion) tasks with a deadline each, in `workers` processes (0: in this one).
 
-    sources: the (module, file) of every term a task may name (their modules are imported in each
-    worker); cfg: the reward section as a plain dict (a term reads its knobs from it)."""
+    sources: term name -> (module, file, function name) of every term a task may name (their modules
+    are imported in each worker); setups: functions, named the same way, each worker runs before
+    it says ready (slow imports); cfg: the reward section as a plain dict (a term reads its knobs)."""
 
-    def __init__(self, workers: int, timeout_s: float, start_timeout_s: float, sources: list[tuple[str, str]],
+    def __init__(self, workers: int, timeout_s: float, start_timeout_s: float, sources: dict, setups: list,
                  cfg: dict):
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
-        self.sources, self.cfg = sources, cfg
+        self.sources, self.setups, self.cfg = sources, setups, cfg
         self.total_timeouts = 0  # over the pool's life, for logging
-        self._workers: list[_Worker] = [_Worker(sources, cfg) for _ in range(workers)]
+        self._workers: list[_Worker] = [_Worker(sources, setups, cfg) for _ in range(workers)]
         self._inline = workers == 0
 
     def run(self, tasks: list[tuple[str, Any]]) -> list[Result]:
@@ -184,7 +183,7 @@ class WorkerPool:
             for name, completion in tasks:
                 try:
                     signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
-                    results.append(run_term(terms, name, completion, settings))
+                    results.append(run_term(terms[name], completion, settings))
                 except _Deadline:
                     results.append((None, "timeout", None))
                 finally:
@@ -197,7 +196,7 @@ class WorkerPool:
 
     def _replace(self, index: int) -> None:
         self._workers[index].kill()
-        self._workers[index] = _Worker(self.sources, self.cfg)
+        self._workers[index] = _Worker(self.sources, self.setups, self.cfg)
 
     def _run_pool(self, tasks) -> list[Result]:
         """Hand tasks to workers, at most PIPELINE_DEPTH queued each so none idles between tasks;

@@ -70,9 +70,13 @@ class Term:
     setup: Optional[Callable[[], None]] = None  # run once in each worker before it says ready (slow imports)
 
     @property
-    def source(self) -> tuple[str, str]:
-        """(module, file) the worker pool imports the term from."""
-        return self.fn.__module__, inspect.getfile(self.fn)
+    def source(self) -> tuple[str, str, str]:
+        """(module, file, function name): where the worker pool finds the term."""
+        return _source(self.fn)
+
+
+def _source(fn) -> tuple[str, str, str]:
+    return fn.__module__, inspect.getfile(fn), fn.__name__
 
 
 TERMS: dict[str, Term] = {}
@@ -163,9 +167,9 @@ class RewardScorer:
     def __init__(self, cfg: Optional[RewardConfig] = None):
         self.cfg = cfg or RewardConfig()
         self.pooled = [name for name in dict.fromkeys([CORRECT, *self.cfg.terms]) if TERMS[name].pool]
-        sources = list(dict.fromkeys(TERMS[name].source for name in self.pooled))
-        self.pool = WorkerPool(self.cfg.workers, self.cfg.timeout_s, self.cfg.start_timeout_s, sources,
-                               asdict(self.cfg))
+        setups = [_source(TERMS[name].setup) for name in self.pooled if TERMS[name].setup is not None]
+        self.pool = WorkerPool(self.cfg.workers, self.cfg.timeout_s, self.cfg.start_timeout_s,
+                               {name: TERMS[name].source for name in self.pooled}, setups, asdict(self.cfg))
 
     @property
     def total_timeouts(self) -> int:

@@ -79,7 +79,8 @@ def row_of(cfg: TrainConfig, rollout, progress: Progress = Progress(step=1), sgd
            instruments: dict = None) -> dict:
     train_stats, entropy_sum = step_stats(cfg, rollout)
     return metrics.train_row(progress=progress, stage=0, iteration=0, sgd_iteration=sgd_iteration,
-                             rollout_stats=rollout.stats, train_stats=train_stats, sampled_version=rollout.weights_version, entropy=metrics.per_token(entropy_sum, train_stats["num_tokens"]), grad_norm=0.0,
+                             rollout_stats=rollout.stats, train_stats=objective_module.logged_stats(train_stats),
+                             sampled_version=rollout.weights_version, entropy=metrics.per_token(entropy_sum, train_stats["num_tokens"]), grad_norm=0.0,
                              lr=1e-6, time_train=0.1, time_sync=0.0, sync_bytes=0.0, iteration_seconds=0.2,
                              shape={"train_tokens": 10.0, "train_padded_tokens": 12.0}, instruments=instruments)
 
