@@ -46,6 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parent
 
 @dataclass
 class EvalRunConfig:
+    plugins: list[str] = field(default_factory=list)  # the user's own modules (reward terms: docs/extending.md)
     model: str = ".cache/models/smollm2"  # HF model directory, or a run directory (its final/ or newest export)
     out_dir: Optional[str] = None  # output directory; None = runs/eval/<dataset>-<model>-<YYYYmmdd-HHMMSS>
     data: DataConfig = field(default_factory=DataConfig)  # dataset and prompt format (as in training)
