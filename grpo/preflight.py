@@ -121,9 +121,10 @@ def _gpu_names(names: list[str]) -> str:
 
 def plan_training(cfg, visible: list[str], nproc_per_node: Optional[int] = None, nnodes: int = 1) -> tuple[int, str]:
     """(world size, one line) for train.py under torchrun on nodes like this one; LayoutError when
-    the layout cannot start. Every local rank is planned as grpo.layout plans it at start-up, on the
-    node that holds rank 0 (c10d gives rank 0 to whichever node joins first, so every node must fit
-    that one) and, with several nodes, on the others."""
+    the layout cannot start (check_batch_split then says whether the batch splits over the world).
+    Every local rank is planned as grpo.layout plans it at start-up, on the node that holds rank 0
+    (c10d gives rank 0 to whichever node joins first, so every node must fit that one) and, with
+    several nodes, on the others."""
     server = cfg.server
     attached, tp = server.url is not None, server.tensor_parallel_size
     if nnodes < 1:
@@ -145,7 +146,6 @@ def plan_training(cfg, visible: list[str], nproc_per_node: Optional[int] = None,
     if nnodes > 1:
         local(1)  # the nodes without the server: every local GPU trains
     world = nproc * nnodes
-    check_batch_split(cfg.grpo.batch_prompts, world)
     first = node0[0]
     if attached:
         where = f"server attached at {server.url}"
@@ -209,6 +209,7 @@ def check_training(args, prompts_fit: Callable) -> int:
     world = report.step("layout", lambda: _plan(cfg, args), cfg)
 
     def batch():
+        check_batch_split(cfg.grpo.batch_prompts, world)
         per_rank = cfg.grpo.batch_prompts // world
         return None, (f"{cfg.grpo.batch_prompts} prompts over {world} trainer ranks: {per_rank} prompts x {cfg.grpo.G} "
                       f"completions = {per_rank * cfg.grpo.G} sequences per rank per iteration")

@@ -213,6 +213,24 @@ def test_missing_file_and_config_loader():
         load_config(DataConfig, overrides=["arithmetic.ops=/"])
 
 
+def test_docs_data_md_documents_every_key_and_named_set():
+    """docs/data.md holds a row for each data key (arithmetic's included) and each named set as the table has it."""
+    import dataclasses
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "data.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| `")]
+    keys = [f.name for f in dataclasses.fields(DataConfig) if f.name != "arithmetic"]
+    keys += [f"arithmetic.{f.name}" for f in dataclasses.fields(ArithmeticConfig)]
+    undocumented = [k for k in keys if not any(f"`{k}`" in row.split("|")[1] for row in rows)]
+    assert undocumented == [], undocumented
+    for s in NAMED_SETS.values():
+        row = next((r for r in rows if r.startswith(f"| `{s.name}` |")), None)
+        assert row is not None, f"docs/data.md has no row for {s.name}"
+        cells = [c.strip().strip("`") for c in row.split("|")[1:-1]]
+        assert cells == [s.name, s.hub_id, s.config or "(default)", s.split, str(s.rows), s.question_key,
+                         s.answer_key, s.answer_format, s.file], cells
+
+
 # --------------------------------------------------------------------------------------------
 # The full real sets: from $GRPO_TEST_DATA_DIR (CI: our local copy), else skipped
 
