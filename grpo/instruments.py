@@ -57,8 +57,13 @@ class StalenessSplit:
         """All-reduce the sums into per-token means (collective, on every rank when logged)."""
         if self.lagged:  # its no-grad forwards left FSDP2's root gathered: free it until the next lagged batch
             self.pushed_policy.reshard()
+        self.release()
         if self.sums is not None:
             self.means = staleness.split_means(all_reduce_sum(self.sums))
+
+    def release(self) -> None:
+        """Let go of pi_push: a sharded model holds the process group, which Run.close frees."""
+        self.pushed_policy, self.logp_push = None, None
 
 
 class OffPolicyInstruments:
@@ -125,7 +130,9 @@ class OffPolicyInstruments:
         self.probe = broadcast_probe(probe)
 
     def close(self) -> None:
-        self.policy = self.pushed_policy = self.split = None
+        """Drop the sharded models (the loop's batch cache shares the current split)."""
+        self.split.release()
+        self.policy = self.pushed_policy = None
 
     # -- inside ----------------------------------------------------------------------------------
 
