@@ -18,8 +18,8 @@ Per active token (weights != 0, as every statistic of the objective):
 On policy (the batch's first optimizer step is the step of its push: v = 1, or the first batch of
 a v-window, no sample-ahead lag) pi_push is pi_k itself: the trainer passes the same log-probs, so
 both staleness terms are exactly 0 and the mismatch terms equal tv_pik_alpha and kl_pik_alpha.
-Otherwise the trainer scores the batch with a frozen copy of the weights it pushed (`push_policy`
-in train.py; log.split_staleness). The triangle inequality bounds the total, token by token:
+Otherwise the trainer scores the batch with a frozen copy of the weights it pushed
+(grpo/instruments.py; log.split_staleness). The triangle inequality bounds the total, token by token:
 tv_pik_alpha <= tv_mismatch + tv_staleness. The KL parts are not additive. With top-p < 1 every
 estimate here, like tv_pik_alpha, covers alpha's nucleus only (alpha never samples outside it).
 """
