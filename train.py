@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from grpo import metrics
+from grpo import metrics, preflight
 from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_batches, group_row_length,
                            group_rows, plan_micro_batches)
 from grpo.checkpoint import CheckpointError, Checkpointer, check_shared_directory, export_hf
@@ -39,17 +39,16 @@ from grpo.cpu import tune_trainer
 from grpo.cpu.bf16 import multiplies_bf16
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
 from grpo.evaluation import evaluate
+from grpo.instruments import OffPolicyInstruments, StalenessSplit
+from grpo.kernel_dispatch import check_objective_path
+from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
 from grpo.metrics import MetricsLogger
 from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_model_path
-from grpo.optim import build_optimizer, build_scheduler
-from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
-from grpo.kernel_dispatch import check_objective_path
 from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, logged_stats,
                             merge_stats, token_weights)
+from grpo.optim import build_optimizer, build_scheduler
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
                            gather_full_state_dict, init_distributed, launch_env, shard_model)
-from grpo import preflight
-from grpo.instruments import OffPolicyInstruments, StalenessSplit
 from grpo.policy import ObjectiveInputs, Policy, copy_policy
 from grpo.progress import Progress
 from grpo.recording import RecordedStream, ReplayError

@@ -98,8 +98,6 @@ def worker(args) -> dict:
     """One variant, one process: allocate inputs, measure the baseline, run forward + backward."""
     import torch
 
-    import kernels
-
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -14,8 +14,8 @@ On resume the W&B run id stored in the run directory continues the same W&B run,
 """
 from __future__ import annotations
 
-import math
 import json
+import math
 import os
 import re
 import secrets

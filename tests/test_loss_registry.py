@@ -11,14 +11,14 @@ import torch
 
 import kernels
 from grpo import losses, registry
-from grpo.config import ConfigError, load_config, read_yaml, to_dict
-from grpo.losses import CORRECTIONS, LOSSES, Knob, LossInputs, PolicyTerms, register_loss
-from grpo.registry import non_negative
-from grpo.train_config import TrainConfig
 from grpo.advantages import group_advantages
+from grpo.config import ConfigError, load_config, read_yaml, to_dict
 from grpo.kernel_dispatch import (_check_kernel_codes, check_objective_path, objective_fn_for, objective_of_hidden,
                                   objective_path, objective_with_grad)
+from grpo.losses import CORRECTIONS, LOSSES, Knob, LossInputs, PolicyTerms, register_loss
 from grpo.objective import ObjectiveConfig, finalize_stats, local_denominators, objective, token_weights
+from grpo.registry import non_negative
+from grpo.train_config import TrainConfig
 from kernels import KernelConfig
 
 ROOT = Path(__file__).resolve().parent.parent

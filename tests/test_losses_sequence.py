@@ -10,9 +10,8 @@ from grpo.advantages import group_advantages
 from grpo.kernel_dispatch import check_objective_path, objective_fn_for, objective_of_hidden, objective_path
 from grpo.losses import needs_sequences
 from grpo.objective import ObjectiveConfig, finalize_stats, local_denominators, merge_stats, objective, token_weights
-from kernels import KernelConfig
-
 from hand_computed import D, L, close, t  # noqa: F401
+from kernels import KernelConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter on padding lanes
 

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import torch
 
-from grpo import metrics
-from grpo.batching import collate
+from grpo import metrics, parity, staleness
 from grpo import objective as objective_module
-from grpo import parity, staleness
 from grpo.advantages import group_advantages
+from grpo.batching import collate
 from grpo.objective import finalize_stats, local_denominators, objective, token_weights
 from grpo.progress import Progress
 from grpo.rollout import Rollout, Sample, batch_stats

@@ -2,15 +2,14 @@
 2509.24203). Expected numbers are written as arithmetic in the tests, never produced by the code
 under test. Shapes are tiny: this file runs in about a second on CPU."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from pathlib import Path
-
+from grpo.advantages import ADVANTAGES, group_advantages
 from grpo.config import read_yaml
 from grpo.losses import CORRECTIONS, LOSSES
-from grpo.advantages import ADVANTAGES, group_advantages
 from grpo.objective import (
     ObjectiveConfig,
     finalize_stats,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from grpo.parallel import GROUP_STILL_REFERENCED
-from tiny_models import make_tiny_model_dir
 from test_metrics import run_file, wandb_history
+from tiny_models import make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.vllm
