@@ -50,7 +50,7 @@ from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_j
 from grpo.policy import ObjectiveInputs, Policy
 from grpo.parity import ParityProbe, parity_stats, trainer_logprobs, warn_if_apart
 from grpo.progress import Progress, alpha_lag
-from grpo.recording import RecordedStream, ReplayError, record_batch
+from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer, record_batch
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
 from grpo.serving.client import InferenceServerError
@@ -143,6 +143,7 @@ class Run:
     eval_problems: Optional[list] = None
     sample_ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
     recorded: Optional[RecordedStream] = None  # --replay: the batches a run recorded, in place of the server (rank 0)
+    made_with: Optional[dict] = None  # the model and tokenizer recorded batches are made with (grpo/recording.py; rank 0)
     # the weights of the last push, frozen: pi_push of grpo/staleness.py (log.split_staleness, v > 1)
     pushed_policy: Optional[Policy] = None
     pushed_known: bool = False  # pushed_policy holds the push that alpha is (False after a resume that lost it)
@@ -178,11 +179,13 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     torch.manual_seed(cfg.seed + info.rank)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     sampler = eval_problems = None
-    recorded = None
+    recorded = made_with = None
     if info.is_main:  # bad data is refused before anything slow starts
+        if cfg.replay or cfg.log.save_rollouts:
+            made_with = model_and_tokenizer(cfg.model.path, tokenizer)
         if cfg.replay:
             recorded = RecordedStream(cfg.replay)
-            recorded.check_covers(cfg.grpo.S, cfg.grpo.M)
+            recorded.check(cfg, made_with)
         sampler = named_input("data", lambda: make_sampler(cfg.data, cfg.grpo.batch_prompts, seed=cfg.seed))
         if cfg.eval_data is not None:
             eval_problems = named_input("eval_data", lambda: load_problems(cfg.eval_data))
@@ -213,7 +216,8 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               checkpointer, MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               StopFlag(), serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu), sampler=sampler,
               eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
-              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, pushed_policy=pushed_policy)
+              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, made_with=made_with,
+              pushed_policy=pushed_policy)
     progress = Progress()
     if pushed_policy is not None and not resume:  # version 0, served from the model directory, is pi_theta_0
         copy_policy(pushed_policy, policy)
@@ -658,7 +662,7 @@ def main(argv=None) -> int:
                 seed = batch_seed(cfg, stage, k)
                 rollout = sample_batch(run, progress, k, seed)
                 if cfg.log.save_rollouts and run.dist.is_main:  # the batch as trained on (docs/offpolicy.md)
-                    record_batch(run.run_dir, stage, k, seed, rollout)
+                    record_batch(run.run_dir, stage, k, seed, rollout, run.made_with)
                 # engine mismatch on the same weights: the parity probe, right after a push
                 parity = probe_parity(run, progress, rollout, stage, k) if k % cfg.grpo.v == 0 else {}
                 if run.dist.is_main and run.sample_ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
