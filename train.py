@@ -568,8 +568,13 @@ def probe_parity(run: Run, progress: Progress, rollout: Rollout, stage: int, k: 
     return outcome["stats"] if run.dist.is_main else {}
 
 
+class RunStopped(RuntimeError):
+    """The run cannot go on; the message says why in one line. Its last checkpoint is where --resume starts."""
+
+
 def optimizer_step(run: Run) -> tuple[float, bool]:
-    """Clip, then step unless the gradient is not finite (then the step is skipped and counted)."""
+    """Clip, then step unless the gradient is not finite (then the step is skipped and counted:
+    Progress.nan_skips, nan_streak; the LR schedule still advances)."""
     params = [p for p in run.policy.parameters() if p.grad is not None]
     max_norm = run.cfg.optim.grad_clip if run.cfg.optim.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, foreach=True)
@@ -587,6 +592,16 @@ def optimizer_step(run: Run) -> tuple[float, bool]:
 
 
 @torch.no_grad()
+def check_nan_streak(cfg: TrainConfig, progress: Progress) -> None:
+    """More than optim.max_consecutive_skips steps in a row without a finite gradient: the run is
+    not training any more (a batch, a learning rate or the numerics broke it): stop, naming the key."""
+    if progress.nan_streak > cfg.optim.max_consecutive_skips:
+        first = progress.step - progress.nan_streak + 1
+        raise RunStopped(f"{progress.nan_streak} optimizer steps in a row (steps {first}-{progress.step}) had a "
+                         f"non-finite gradient, more than optim.max_consecutive_skips={cfg.optim.max_consecutive_skips}"
+                         f"; stopped (--resume continues from the last checkpoint)")
+
+
 def copy_policy(frozen: Policy, policy: Policy) -> None:
     """frozen <- pi_theta: pi_ref at the end of a stage, pi_push at a push. Same sharding on both,
     so a local copy of each shard."""
@@ -687,6 +702,7 @@ def main(argv=None) -> int:
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row.get('kl', math.nan):.4f}",
                                     clip=f"{row.get('clip_frac', math.nan):.3f}", ver=row["weights_version"])
+                    check_nan_streak(cfg, progress)
                 if cfg.log.sample_table_every and k % cfg.log.sample_table_every == 0:
                     run.logger.log_samples(progress.step, rollout.table)
 
@@ -704,6 +720,11 @@ def main(argv=None) -> int:
             progress = replace(progress, stage=stage + 1, iteration=0)
         finish(run, progress)
         return 0
+    except RunStopped as e:  # every rank stops alike; one line
+        bar.close()  # ends the progress bar's line first
+        if run.dist.is_main:
+            print(f"[train] error: {e}", file=sys.stderr)
+        return 1
     finally:
         run.close()
 
