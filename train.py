@@ -34,6 +34,7 @@ from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_b
                            group_rows, plan_micro_batches)
 from grpo.checkpoint import CheckpointError, Checkpointer, check_shared_directory, export_hf
 from grpo.config import ConfigError, load_config, save_config, to_dict
+from grpo.fsutil import NoSpaceError
 from grpo.cpu import tune_trainer
 from grpo.cpu.bf16 import multiplies_bf16
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
@@ -218,6 +219,9 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
               shares_gpu_with_server=layout.shares_gpu, recorded=recorded, made_with=made_with,
               pushed_policy=pushed_policy)
+    room = checkpointer.room_warning(checkpoint_size(run)) if info.is_main else None
+    if room:  # a save writes the new checkpoint before it prunes the oldest
+        print(f"[train] warning: {room}", file=sys.stderr)
     progress = Progress()
     if pushed_policy is not None and not resume:  # version 0, served from the model directory, is pi_theta_0
         copy_policy(pushed_policy, policy)
@@ -246,6 +250,16 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir and not cfg.replay:
         progress = reserve_alpha(run, progress)
     return run, progress
+
+
+def checkpoint_size(run: Run) -> int:
+    """The bytes of one checkpoint of this run: pi_theta and AdamW's two moments of each parameter,
+    pi_ref and pi_push where kept, and (v > 1, saved inside a window) alpha's weights as served."""
+    numel = sum(p.numel() for p in run.policy.parameters())  # a DTensor counts its global shape
+    theta = sum(p.numel() * p.element_size() for p in run.policy.parameters())
+    frozen = [m for m in (run.ref_policy, run.pushed_policy) if m is not None]
+    alpha = numel * run.serve_dtype.itemsize if run.cfg.grpo.v > 1 and not run.cfg.replay else 0
+    return 3 * theta + sum(p.numel() * p.element_size() for m in frozen for p in m.parameters()) + alpha
 
 
 def shared_run_name(cfg: TrainConfig) -> str:
@@ -316,6 +330,21 @@ def reserve_alpha(run: Run, progress: Progress) -> Progress:
 # ------------------------------------------------------------------------------------------------
 
 
+def on_main_rank(run: Run, work: Callable[[], object]):
+    """work() on rank 0 and its (JSON) result on every rank (collective); a full disk there stops
+    every rank alike, rather than leaving the others waiting for rank 0."""
+    outcome = None
+    if run.dist.is_main:
+        try:
+            outcome = {"result": work()}
+        except NoSpaceError as e:
+            outcome = {"no_space": str(e)}
+    outcome = broadcast_json(outcome)
+    if "no_space" in outcome:
+        raise NoSpaceError(outcome["no_space"])
+    return outcome["result"]
+
+
 def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
     """alpha <- pi_theta: gather the full state dict on rank 0, which the server writes and loads.
     Collective (every rank gathers its shards). Returns the new progress and {bytes, seconds}.
@@ -328,8 +357,12 @@ def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
         # vLLM's layer-wise reload allocates on the GPU this trainer shares: hand back cached blocks
         torch.cuda.empty_cache()
     version = progress.weights_version + 1
-    pushed = run.server.push(full_state, version, step=progress.step) if run.dist.is_main else None
-    pushed = broadcast_json(pushed and {"bytes": float(pushed["bytes"]), "weights_dir": str(pushed["weights_dir"])})
+
+    def push() -> dict:  # rank 0 writes, the server loads
+        reply = run.server.push(full_state, version, step=progress.step)
+        return {"bytes": float(reply["bytes"]), "weights_dir": str(reply["weights_dir"])}
+
+    pushed = on_main_rank(run, push)
     progress = progress.after_push(version, pushed["weights_dir"])
     if run.pushed_policy is not None:  # pi_push for the staleness split of the window's batches
         copy_policy(run.pushed_policy, run.policy)
@@ -676,8 +709,8 @@ def main(argv=None) -> int:
                 # B prompts x G completions from alpha; rewards, advantages (eq. 2), mask (eq. 8)
                 seed = batch_seed(cfg, stage, k)
                 rollout = sample_batch(run, progress, k, seed)
-                if cfg.log.save_rollouts and run.dist.is_main:  # the batch as trained on (docs/offpolicy.md)
-                    record_batch(run.run_dir, stage, k, seed, rollout, run.made_with)
+                if cfg.log.save_rollouts:  # the batch as trained on (docs/offpolicy.md)
+                    on_main_rank(run, lambda: str(record_batch(run.run_dir, stage, k, seed, rollout, run.made_with)))
                 # engine mismatch on the same weights: the parity probe, right after a push
                 parity = probe_parity(run, progress, rollout, stage, k) if k % cfg.grpo.v == 0 else {}
                 if run.dist.is_main and run.sample_ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
@@ -720,10 +753,11 @@ def main(argv=None) -> int:
             progress = replace(progress, stage=stage + 1, iteration=0)
         finish(run, progress)
         return 0
-    except RunStopped as e:  # every rank stops alike; one line
+    except (RunStopped, NoSpaceError, CheckpointError) as e:  # every rank stops; one line
         bar.close()  # ends the progress bar's line first
         if run.dist.is_main:
-            print(f"[train] error: {e}", file=sys.stderr)
+            then = "; free space there, then --resume" if isinstance(e, NoSpaceError) else ""
+            print(f"[train] error: {e}{then}", file=sys.stderr)
         return 1
     finally:
         run.close()

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from grpo.fsutil import fsync_dir, fsync_file
+from grpo.fsutil import fsync_dir, fsync_file, no_space, preallocate
 
 ROLLOUTS_DIR = "rollouts"
 # In each file's schema metadata; bumped when a column changes meaning or the metadata what it
@@ -99,11 +99,24 @@ def record_batch(run_dir: str | os.PathLike, stage: int, iteration: int, seed: i
                  made_with: dict[str, str]) -> Path:
     """Write batch (stage, iteration) atomically and durably (rank 0, before training on it); drop
     what an earlier attempt of the run recorded past it. `made_with`: the model and tokenizer it was
-    made with (`model_and_tokenizer`). Returns the file."""
+    made with (`model_and_tokenizer`). Returns the file. A full disk raises grpo.fsutil.NoSpaceError
+    and leaves the directory as it was."""
     path = batch_path(run_dir, stage, iteration)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(batch_table(stage, iteration, seed, rollout, made_with), tmp)
+    sink = pa.BufferOutputStream()  # in memory first: the write's size is known before it starts
+    pq.write_table(batch_table(stage, iteration, seed, rollout, made_with), sink)
+    data = sink.getvalue()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            preallocate(f.fileno(), data.size)
+            f.write(data)
+    except OSError as e:  # a full disk: one line naming the file and its size; the batches before stay
+        tmp.unlink(missing_ok=True)
+        full = no_space(e, path, data.size)
+        if full is not None:
+            raise full from None
+        raise
     fsync_file(tmp)
     os.replace(tmp, path)
     for later in sorted(path.parent.iterdir()):

@@ -753,6 +753,32 @@ def test_server_killed_before_a_push_is_restarted_by_the_push(server, tiny):
 
 
 @pytest.mark.vllm
+def test_a_push_that_finds_the_disk_full_leaves_the_old_version_serving(server, tiny, tmp_path):
+    """The trainer's side of a push (bytes mode: written in its run directory first) on a full disk
+    (a small tmpfs, tests/test_full_disk.py): NoSpaceError naming the directory and the bytes it
+    needed; the server serves and generates the version before; freed, the same push lands."""
+    from grpo.fsutil import NoSpaceError
+    from test_full_disk import SmallDisk
+
+    disk = SmallDisk(tmp_path / "small")
+    run_dir = disk.mount(1 << 20)  # the tiny model's push is 1.6 MB in fp32
+    try:
+        version = _push_next(server, _perturbed(tiny["hf"], seed=21))
+        before = _greedy(server.client, tiny["prompt_ids"])
+        trainer = InferenceServer(dataclasses.replace(server.cfg, url=server.url, push_mode="bytes"), server.client,
+                                  tiny["model_dir"], run_dir, weights_root=None)
+        sd = _perturbed(tiny["hf"], seed=22)
+        with pytest.raises(NoSpaceError, match=f"^{run_dir}/weights/weights-v{version + 1:08d}: no space left on "
+                                               f"device: the write needs 1.6 MiB, "):
+            trainer.push(sd, version + 1, step=1)
+        assert server.weights_version() == version and _greedy(server.client, tiny["prompt_ids"]) == before
+        disk.remount(8 << 20)
+        assert trainer.push(sd, version + 1, step=1)["version"] == version + 1 == server.weights_version()
+    finally:
+        disk.unmount()
+
+
+@pytest.mark.vllm
 def test_engine_fingerprint_matches_the_push_and_catches_a_different_load(server, tiny, monkeypatch):
     """After each push the server reports (numel, sum, sum of squares) of every parameter its
     engine holds; the trainer checks them against what it pushed. Here the file written differs
