@@ -49,6 +49,7 @@ from grpo.objective import (all_reduce_stats, check_objective_path, contributing
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
                            gather_full_state_dict, init_distributed, launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, Policy
+from grpo import preflight
 from grpo.parity import ParityProbe, parity_stats, trainer_logprobs, warn_if_apart
 from grpo.progress import Progress, alpha_lag
 from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer, record_batch
@@ -71,7 +72,10 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
     ap.add_argument("--replay", metavar="RUN_DIR", help="train on the batches RUN_DIR recorded (log.save_rollouts) "
                                                         "instead of sampling: no inference server (docs/offpolicy.md)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.v=10 optim.lr=1e-6")
+    preflight.add_arguments(ap, trainer=True)
     args = ap.parse_intermixed_args(argv)  # --resume may stand anywhere, also after overrides
+    if args.check:  # the dry run: every start-up decision, one line each, nothing started (grpo/preflight.py)
+        sys.exit(preflight.check_training(args, prompts_fit=check_prompts_fit))
     cfg = load_config(TrainConfig, args.config, args.overrides)
     cfg.model.path = resolve_model_path(cfg.model.path)  # a hub id becomes its local snapshot, once
     if args.replay:
@@ -172,11 +176,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
                          server_gpus=cfg.server.tensor_parallel_size)
     info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s)
     cfg.log.run_name = shared_run_name(cfg)
-    if cfg.grpo.batch_prompts % info.world_size:
-        fits = [n for n in range(1, cfg.grpo.batch_prompts + 1) if cfg.grpo.batch_prompts % n == 0]
-        raise ConfigError(f"grpo.batch_prompts: {cfg.grpo.batch_prompts} prompts do not split over "
-                          f"{info.world_size} ranks (rank counts that divide it: {fits}); change the ranks or "
-                          f"grpo.batch_prompts")
+    preflight.check_batch_split(cfg.grpo.batch_prompts, info.world_size)
     torch.manual_seed(cfg.seed + info.rank)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     sampler = eval_problems = None
