@@ -175,3 +175,20 @@ def test_train_refuses_a_spoiled_recording_before_the_first_step(good, model_dir
         assert len(lines) == 1 and lines[0].startswith(f"config error: --replay {run}: batch-s0000-k000001.parquet: ")
         assert CASES[case] in lines[0], lines[0]
     assert not list((tmp_path / "runs").glob("*/metrics.jsonl"))  # refused before any step
+
+
+def test_train_check_runs_the_same_checks(good, model_dir, tmp_path, capsys):
+    """`train.py --check --replay` (the dry run, grpo/preflight.py) refuses what the replay would."""
+    import train
+
+    run = _spoiled("nan logp_alpha", good, model_dir, tmp_path)
+    argv = ["--check", "--config", str(ROOT / "configs/tiny_test.yaml"), f"model.path={model_dir}", "grpo.S=1",
+            "grpo.M=2"]
+    for replayed, code, line in ((good, 0, f"ok    replay: {good} holds every batch"),
+                                 (run, 2, f"FAIL  replay: --replay {run}: batch-s0000-k000001.parquet: "
+                                          f"{CASES['nan logp_alpha']}")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            train.main([*argv, "--replay", str(replayed)])
+        out = capsys.readouterr().out
+        assert exit_.value.code == code and any(row.startswith(line) for row in out.splitlines()), out
