@@ -624,7 +624,6 @@ def optimizer_step(run: Run) -> tuple[float, bool]:
     return grad_norm, finite
 
 
-@torch.no_grad()
 def check_nan_streak(cfg: TrainConfig, progress: Progress) -> None:
     """More than optim.max_consecutive_skips steps in a row without a finite gradient: the run is
     not training any more (a batch, a learning rate or the numerics broke it): stop, naming the key."""
@@ -635,6 +634,7 @@ def check_nan_streak(cfg: TrainConfig, progress: Progress) -> None:
                          f"; stopped (--resume continues from the last checkpoint)")
 
 
+@torch.no_grad()
 def copy_policy(frozen: Policy, policy: Policy) -> None:
     """frozen <- pi_theta: pi_ref at the end of a stage, pi_push at a push. Same sharding on both,
     so a local copy of each shard."""
