@@ -238,7 +238,8 @@ def check_batch(path: Path, key: tuple[int, int], batch_prompts: int, G: int, ma
                if found == "grpo-rollouts/1" else f"unknown format {found}")
         raise ReplayError(f"{why}; this version replays {FORMAT}")
     if meta.get("model") != made_with["model"]:
-        raise ReplayError(f"made with another model than model.path: {_differs(meta.get('model', '{}'), made_with['model'])}")
+        differs = _differs(meta.get("model", "{}"), made_with["model"])
+        raise ReplayError(f"made with another model than model.path: {differs}")
     if meta.get("tokenizer") != made_with["tokenizer"]:
         raise ReplayError(f"made with another tokenizer than model.path's (vocabulary sha256 "
                           f"{meta.get('tokenizer', 'absent')[:12]} there, {made_with['tokenizer'][:12]} here)")
@@ -302,4 +303,6 @@ def _differs(recorded: str, ours: str) -> str:
     """The first config.json key on which the recording's model and ours differ, as words."""
     a, b = json.loads(recorded), json.loads(ours)
     key = next((k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)), None)
-    return f"{key} is {a.get(key, 'absent')!r} there, {b.get(key, 'absent')!r} here" if key else "its config is not recorded"
+    if key is None:
+        return "its config is not recorded"
+    return f"{key} is {a.get(key, 'absent')!r} there, {b.get(key, 'absent')!r} here"
