@@ -39,6 +39,7 @@ from grpo.cpu import tune_trainer
 from grpo.cpu.bf16 import multiplies_bf16
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
 from grpo.evaluation import evaluate
+from grpo.fsutil import NoSpaceError
 from grpo.instruments import OffPolicyInstruments, StalenessSplit
 from grpo.kernel_dispatch import check_objective_path
 from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
@@ -48,10 +49,10 @@ from grpo.objective import (all_reduce_stats, contributing, finalize_stats, loca
                             merge_stats, token_weights)
 from grpo.optim import build_optimizer, build_scheduler
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
-                           gather_full_state_dict, init_distributed, launch_env, shard_model)
+                           gather_full_state_dict, init_distributed, launch_env, on_main_rank, shard_model)
 from grpo.policy import ObjectiveInputs, Policy, copy_policy
 from grpo.progress import Progress
-from grpo.recording import RecordedStream, ReplayError
+from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
 from grpo.serving.inference import InferenceServer, check_context_fits, serving_dtype
@@ -175,11 +176,13 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     torch.manual_seed(cfg.seed + info.rank)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     sampler = eval_problems = None
-    recorded = None
+    recorded = made_with = None
     if info.is_main:  # bad data is refused before anything slow starts
+        if cfg.replay or cfg.log.save_rollouts:
+            made_with = model_and_tokenizer(cfg.model.path, tokenizer)
         if cfg.replay:
             recorded = RecordedStream(cfg.replay)
-            recorded.check_covers(cfg.grpo.S, cfg.grpo.M)
+            recorded.check(cfg, made_with)
         sampler = named_input("data", lambda: make_sampler(cfg.data, cfg.grpo.batch_prompts, seed=cfg.seed))
         if cfg.eval_data is not None:
             eval_problems = named_input("eval_data", lambda: load_problems(cfg.eval_data))
@@ -211,7 +214,10 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               stop=StopFlag(), serve_dtype=serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu),
               sampler=sampler, eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
               shares_gpu_with_server=layout.shares_gpu, recorded=recorded,
-              instruments=OffPolicyInstruments(cfg, info, run_dir, policy, pushed_policy, tokenizer))
+              instruments=OffPolicyInstruments(cfg, info, run_dir, policy, pushed_policy, tokenizer, made_with))
+    room = checkpointer.room_warning(checkpoint_size(run)) if info.is_main else None
+    if room:  # a save writes the new checkpoint before it prunes the oldest
+        print(f"[train] warning: {room}", file=sys.stderr)
     progress = Progress()
     if not resume:
         run.instruments.start()
@@ -239,6 +245,16 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir and not cfg.replay:
         progress = reserve_alpha(run, progress)
     return run, progress
+
+
+def checkpoint_size(run: Run) -> int:
+    """The bytes of one checkpoint of this run: pi_theta and AdamW's two moments of each parameter,
+    pi_ref and pi_push where kept, and (v > 1, saved inside a window) alpha's weights as served."""
+    numel = sum(p.numel() for p in run.policy.parameters())  # a DTensor counts its global shape
+    theta = sum(p.numel() * p.element_size() for p in run.policy.parameters())
+    frozen = [m for m in (run.ref_policy, run.instruments.pushed_policy) if m is not None]
+    alpha = numel * run.serve_dtype.itemsize if run.cfg.grpo.v > 1 and not run.cfg.replay else 0
+    return 3 * theta + sum(p.numel() * p.element_size() for m in frozen for p in m.parameters()) + alpha
 
 
 def shared_run_name(cfg: TrainConfig) -> str:
@@ -304,8 +320,12 @@ def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
         # vLLM's layer-wise reload allocates on the GPU this trainer shares: hand back cached blocks
         torch.cuda.empty_cache()
     version = progress.weights_version + 1
-    pushed = run.server.push(full_state, version, step=progress.step) if run.dist.is_main else None
-    pushed = broadcast_json(pushed and {"bytes": float(pushed["bytes"]), "weights_dir": str(pushed["weights_dir"])})
+
+    def push() -> dict:  # rank 0 writes, the server loads
+        reply = run.server.push(full_state, version, step=progress.step)
+        return {"bytes": float(reply["bytes"]), "weights_dir": str(reply["weights_dir"])}
+
+    pushed = on_main_rank(run.dist.is_main, push)
     progress = progress.after_push(version, pushed["weights_dir"])
     run.instruments.after_push()  # pi_push for the staleness split of the window's batches
     return progress, {"bytes": pushed["bytes"], "seconds": time.time() - t0}
@@ -478,8 +498,13 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
     return all_reduce_stats(totals), cache.entropy_sum
 
 
+class RunStopped(RuntimeError):
+    """The run cannot go on; the message says why in one line. Its last checkpoint is where --resume starts."""
+
+
 def optimizer_step(run: Run) -> tuple[float, bool]:
-    """Clip, then step unless the gradient is not finite (then the step is skipped and counted)."""
+    """Clip, then step unless the gradient is not finite (then the step is skipped and counted:
+    Progress.nan_skips, nan_streak; the LR schedule still advances)."""
     params = [p for p in run.policy.parameters() if p.grad is not None]
     max_norm = run.cfg.optim.grad_clip if run.cfg.optim.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, foreach=True)
@@ -494,6 +519,16 @@ def optimizer_step(run: Run) -> tuple[float, bool]:
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()  # the schedule follows optimizer steps attempted, so a skip does not shift it
     return grad_norm, finite
+
+
+def check_nan_streak(cfg: TrainConfig, progress: Progress) -> None:
+    """More than optim.max_consecutive_skips steps in a row without a finite gradient: the run is
+    not training any more (a batch, a learning rate or the numerics broke it): stop, naming the key."""
+    if progress.nan_streak > cfg.optim.max_consecutive_skips:
+        first = progress.step - progress.nan_streak + 1
+        raise RunStopped(f"{progress.nan_streak} optimizer steps in a row (steps {first}-{progress.step}) had a "
+                         f"non-finite gradient, more than optim.max_consecutive_skips={cfg.optim.max_consecutive_skips}"
+                         f"; stopped (--resume continues from the last checkpoint)")
 
 
 def eval_due(cfg: TrainConfig, progress: Progress, stage: int, k: int) -> bool:
@@ -604,6 +639,7 @@ def main(argv=None) -> int:
                     log_step(run, bar, progress=progress, stage=stage, iteration=k, sgd_iteration=it, rollout=rollout,
                              stats=stats, entropy_sum=entropy_sum, grad_norm=grad_norm, started=t0,
                              iteration_started=t_iter, push=push if it == 0 else None, shape=shape)
+                    check_nan_streak(cfg, progress)
                 if cfg.log.sample_table_every and k % cfg.log.sample_table_every == 0:
                     run.logger.log_samples(progress.step, rollout.table)
 
@@ -616,6 +652,12 @@ def main(argv=None) -> int:
             progress = replace(progress, stage=stage + 1, iteration=0)
         finish(run, progress)
         return 0
+    except (RunStopped, NoSpaceError, CheckpointError) as e:  # every rank stops; one line
+        bar.close()  # ends the progress bar's line first
+        if run.dist.is_main:
+            then = "; free space there, then --resume" if isinstance(e, NoSpaceError) else ""
+            print(f"[train] error: {e}{then}", file=sys.stderr)
+        return 1
     finally:
         run.close()
 

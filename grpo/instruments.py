@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from grpo import staleness
-from grpo.parallel import all_reduce_sum, broadcast_json
+from grpo.parallel import all_reduce_sum, broadcast_json, on_main_rank
 from grpo.parity import ParityProbe, parity_stats, trainer_logprobs, warn_if_apart
 from grpo.policy import Policy, copy_policy
 from grpo.progress import Progress, alpha_lag
@@ -68,11 +68,14 @@ class StalenessSplit:
 
 class OffPolicyInstruments:
     """Staleness split, parity probe and recording for a run (every rank; I/O on rank 0). server
-    and tokenizer are the run's (server None on ranks > 0 and in replay)."""
+    and tokenizer are the run's (server None on ranks > 0 and in replay); made_with: what recorded
+    batches are made with (grpo.recording.model_and_tokenizer, rank 0)."""
 
-    def __init__(self, cfg, dist, run_dir: Path, policy: Policy, pushed_policy: Optional[Policy], tokenizer):
+    def __init__(self, cfg, dist, run_dir: Path, policy: Policy, pushed_policy: Optional[Policy], tokenizer,
+                 made_with: Optional[dict] = None):
         self.cfg, self.dist, self.run_dir = cfg, dist, Path(run_dir)
         self.policy, self.tokenizer = policy, tokenizer
+        self.made_with = made_with  # the model and tokenizer recorded batches are made with (rank 0; grpo/recording.py)
         self.pushed_policy = pushed_policy  # pi_push (log.split_staleness, v > 1), frozen between pushes
         self.pushed_known = False  # pushed_policy holds the push that alpha is (False after a resume that lost it)
         self.server = None  # set once launched (rank 0)
@@ -101,8 +104,9 @@ class OffPolicyInstruments:
     def after_sampling(self, progress: Progress, stage: int, k: int, seed: int, rollout) -> None:
         """The batch as trained on to <run>/rollouts/; the parity probe right after a push (collective);
         the weights that score the batch's staleness split."""
-        if self.cfg.log.save_rollouts and self.dist.is_main:
-            record_batch(self.run_dir, stage, k, seed, rollout)
+        if self.cfg.log.save_rollouts:  # a full disk on rank 0 stops every rank (collective)
+            on_main_rank(self.dist.is_main,
+                         lambda: str(record_batch(self.run_dir, stage, k, seed, rollout, self.made_with)))
         self.parity = self.probe_parity(progress, rollout, stage, k) if k % self.cfg.grpo.v == 0 else {}
         self.split = StalenessSplit(self.pushed_policy, self.split_source(progress, rollout))
 

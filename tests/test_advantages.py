@@ -1,6 +1,7 @@
 """grpo/advantages.py against values worked out by hand: every registered estimator and step, the
 bound's M under the reward's range, the docs and presets from the registry, and replay computing
 a recorded batch's advantages through the function sampling calls (under RLOO, by hand)."""
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -124,13 +125,15 @@ def test_a_replay_under_rloo_computes_the_advantages_sampling_would(tmp_path):
     batch_advantages, the function sample_rollout calls, so the advantages are RLOO's of the recorded
     rewards (by hand below), and under the recording's own config they are the recorded ones."""
     cfg = TrainConfig()
-    cfg.grpo = replace(cfg.grpo, G=4, batch_prompts=2)
+    cfg.grpo = replace(cfg.grpo, G=4, batch_prompts=2, M=1)
+    made_with = {"model": json.dumps({"model_type": "qwen2", "vocab_size": 64}), "tokenizer": "0" * 64}
     rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0]
     adv, weight, _ = batch_advantages(rewards, cfg, seed=11)  # the recorded run: eq. 2
     samples = [Sample(group=j // 4, prompt_ids=[5, 6], completion_ids=[7, 8 + j], logp_alpha=[-0.5, -1.0],
                       truncated=False, reward=r, correct=r, adv=adv[j], seq_weight=weight[j]) for j, r in enumerate(rewards)]
-    record_batch(tmp_path, 0, 0, 11, Rollout(samples, {}))
+    record_batch(tmp_path, 0, 0, 11, Rollout(samples, {}), made_with)
     stream = RecordedStream(tmp_path)
+    stream.check(cfg, made_with)  # as a replay's start-up does
 
     assert [s.adv for s in stream.rollout(0, 0, cfg).samples] == adv  # the run's own config: as trained on
     rloo = replace(cfg, objective=replace(cfg.objective, advantage="rloo"))
