@@ -209,7 +209,12 @@ def test_shared_prompts_give_the_same_step(results, tmp_path, nproc, batch, budg
     plain = run_worker(model_dir, tmp_path / "plain.json", nproc, tmp_path, batch, overrides)
     shared = run_worker(model_dir, tmp_path / "shared.json", nproc, tmp_path, batch,
                         overrides + ["optim.share_prompts=true"])
-    assert shared["losses"] == pytest.approx(plain["losses"], rel=1e-5, abs=1e-7)
+    assert shared["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-5, abs=1e-7)
+    # The second loss is after an AdamW step at lr 1e-3, which moves every weight of the tiny model by
+    # about lr (a few % of its scale): the second forward amplifies the two layouts' fp32 rounding
+    # (1.5e-5 relative measured on an AVX2 CPU), so it gets the gradient norms' tolerance; the update
+    # itself is pinned by param_abs_sum below.
+    assert shared["losses"][1] == pytest.approx(plain["losses"][1], rel=1e-4, abs=1e-7)
     assert shared["kls"] == pytest.approx(plain["kls"], rel=1e-4, abs=1e-8)
     assert shared["entropies"] == pytest.approx(plain["entropies"], rel=1e-5)
     assert shared["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-4)
