@@ -46,7 +46,8 @@ from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtyp
 from grpo.objective import (all_reduce_stats, check_objective_path, contributing, finalize_stats,
                             local_denominators, merge_stats, token_weights)
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
-                           gather_full_state_dict, init_distributed, launch_env, shard_model)
+                           device_memory_bytes, gather_full_state_dict, gradient_sync_plan, init_distributed,
+                           launch_env, shard_model)
 from grpo.policy import ObjectiveInputs, Policy
 from grpo.parity import ParityProbe, parity_stats, trainer_logprobs, warn_if_apart
 from grpo.progress import Progress, alpha_lag
@@ -137,6 +138,7 @@ class Run:
     stop: StopFlag
     serve_dtype: torch.dtype  # what pushes and the final export are cast to (the server's dtype)
     shares_gpu_with_server: bool = False  # one GPU for this trainer and the server (grpo.layout)
+    sync_every_micro_batch: bool = False  # reduce-scatter gradients after every micro-batch (optim.grad_sync)
     server: Optional[InferenceServer] = None
     scorer: Optional[RewardScorer] = None
     sampler: Optional[PromptSampler] = None
@@ -197,6 +199,10 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     policy = build_policy(cfg, info.device, trainable=True)
+    sync_every, why = gradient_sync_plan(cfg.optim.grad_sync, policy, device_memory_bytes(info.device, env.local_world_size))
+    if info.is_main:
+        print(f"[train] gradients reduce-scattered after {'every' if sync_every else 'the last'} micro-batch ({why})",
+              file=sys.stderr)
     # which path the objective takes here (fused kernel, torch inside the fused head, or whole
     # sequences through autograd); on CUDA, a kernel that leaves a statistic unwritten stops here
     objective_path = check_objective_path(cfg.objective, info.device, cfg.kernels)
@@ -213,7 +219,8 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               checkpointer, MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               StopFlag(), serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu), sampler=sampler,
               eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
-              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, pushed_policy=pushed_policy)
+              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, pushed_policy=pushed_policy,
+              sync_every_micro_batch=sync_every)
     progress = Progress()
     if pushed_policy is not None and not resume:  # version 0, served from the model directory, is pi_theta_0
         copy_policy(pushed_policy, policy)
@@ -468,8 +475,9 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
     num_seqs, num_tokens = denominators
     totals, entropy_sum, split = None, torch.zeros((), device=run.dist.device), None
     for j, mb in enumerate(micro_batches):
-        # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch.
-        run.policy.set_requires_gradient_sync(j == len(micro_batches) - 1)
+        # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch, which
+        # keeps full unsharded fp32 gradients on every rank meanwhile (optim.grad_sync)
+        run.policy.set_requires_gradient_sync(run.sync_every_micro_batch or j == len(micro_batches) - 1)
         if first:
             logp_ref = None
             if run.ref_policy is not None:
@@ -501,8 +509,11 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
                     mb.logp_alpha, logp_push if push_lagged else out.logp, out.logp, weights != 0))
         totals = out.stats if totals is None else merge_stats(totals, out.stats)
     if first:
-        if push_lagged:  # its no-grad forwards left FSDP2's root gathered: free it until the next lagged batch
-            run.pushed_policy.reshard()
+        # their no-grad forwards left FSDP2's roots gathered (a root does not reshard after forward):
+        # free them until the next batch
+        for frozen in (run.ref_policy, run.pushed_policy if push_lagged else None):
+            if frozen is not None:
+                frozen.reshard()
         cache.entropy_sum = all_reduce_sum({"entropy": entropy_sum})["entropy"]
         if split is not None:
             cache.split = staleness.split_means(all_reduce_sum(split))
