@@ -1,9 +1,10 @@
 """grpo/rewards.py with real math-verify in real worker processes.
 
-One pool (2 workers) serves the module: start-up ~1 s, the 1319 x 2 GSM8K verifications ~5 s,
-the adversarial case about one deadline (3 s) plus a worker restart.
+One pool (2 workers) serves the module: start-up ~1 s, the 1319 x 2 GSM8K verifications ~5 s
+(the full test split, from $GRPO_TEST_DATA_DIR; skipped without it), the adversarial case about one
+deadline (3 s) plus a worker restart.
 """
-import json
+import os
 import random
 import re
 import time
@@ -11,12 +12,11 @@ from typing import Optional
 
 import pytest
 
-from grpo.data import REPO_ROOT
+from grpo.data import DataConfig, read_rows
 from grpo.rewards import RewardConfig, RewardScorer, boxed_contents, gold_to_latex
 
 # The scorer's math-verify runs in worker processes: the torchrun tier (child processes).
 pytestmark = pytest.mark.torchrun
-GSM8K_TEST = REPO_ROOT / "../shared/data/gsm8k_test.jsonl"
 TIMEOUT_S = 3.0
 
 
@@ -36,13 +36,27 @@ def scorer():
         yield s
 
 
+def _as_boxed(solution: str) -> str:
+    """A GSM8K reference solution with its final "#### N" line rewritten as \\boxed{N} (N as written, commas too)."""
+    return re.sub(r"####\s*(.+)\s*$", lambda m: f"\\boxed{{{m.group(1).strip()}}}", solution)
+
+
 def _gsm8k_rows():
-    rows = [json.loads(line) for line in GSM8K_TEST.read_text().splitlines()]
+    """The GSM8K test split's reference solutions, boxed, and their gold answers (the full set)."""
+    data_dir = os.environ.get("GRPO_TEST_DATA_DIR")
+    if not data_dir or not os.path.isfile(os.path.join(data_dir, "gsm8k_test.jsonl")):
+        pytest.skip("full-size check: set GRPO_TEST_DATA_DIR to a folder holding gsm8k_test.jsonl (`python -m "
+                    "grpo.data fetch gsm8k_test --out DIR`) to run it")
+    rows = [row for _, row in read_rows(DataConfig(dataset="gsm8k_test", data_dir=data_dir)).rows]
     gold = [r["answer"].rsplit("####", 1)[1].strip().replace(",", "") for r in rows]
-    # The reference solution with its final "#### N" line rewritten as \boxed{N} (N as written, commas too).
-    solutions = [re.sub(r"####\s*(.+)\s*$", lambda m: f"\\boxed{{{m.group(1).strip()}}}", r["answer"])
-                 for r in rows]
-    return solutions, gold
+    return [_as_boxed(r["answer"]) for r in rows], gold
+
+
+def _worked_sums(n: int):
+    """n GSM8K-style solutions written here (a sum, "#### N" boxed) and their gold answers."""
+    pairs = [(3 + i, 11 * i + 4) for i in range(n)]
+    return ([_as_boxed(f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}.\n#### {a + b:,}") for a, b in pairs],
+            [str(a + b) for a, b in pairs])
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,8 +170,8 @@ def test_adversarial_completions_time_out_and_pool_recovers(scorer):
     # Both run in parallel and are cut at the deadline; the third waits for a fresh worker (~1 s idle).
     assert elapsed < TIMEOUT_S + 12, elapsed  # slack for a worker restart on a contended machine
     assert not old_pids & {w.process.pid for w in scorer._workers}  # the stuck workers were replaced
-    solutions, gold = _gsm8k_rows()
-    rewards, info = scorer.score(solutions[:40], gold[:40])
+    solutions, gold = _worked_sums(40)
+    rewards, info = scorer.score(solutions, gold)
     assert rewards == [1.0] * 40 and info["timeouts"] == 0
     assert scorer.total_timeouts >= 2
 
