@@ -116,11 +116,12 @@ class WeightsState:
 
     async def load(self, manifest: dict[str, Any], hashes_checked: bool) -> dict[str, Any]:
         """Load a checked directory; on any failure restore the previous weights and raise."""
+        path, version = Path(manifest["path"]), manifest["version"]
         async with self.gate.writing():
-            if manifest["version"] == self.version and Path(manifest["path"]) == self.serving_dir:
-                return {"version": self.version, "seconds": 0.0, "bytes": 0, "unchanged": True}
-            if manifest["version"] <= self.version:
-                raise WeightPushError(f"version {manifest['version']} is not newer than the served version {self.version}")
+            if version == self.version and path == self.serving_dir:
+                return {"version": version, "seconds": 0.0, "bytes": 0, "unchanged": True}
+            if version <= self.version:
+                raise WeightPushError(f"version {version} is not newer than the served version {self.version}")
             t0 = time.perf_counter()
             # What the engine runs now (none of ours: the gate waited for them) ends on the old weights.
             await self.engine.pause_generation(mode="wait", clear_cache=False)
