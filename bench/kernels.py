@@ -130,6 +130,8 @@ def worker(args) -> dict:
 
         install_lm_head_bf16_math()
     if args.variant.endswith("_ieee"):  # the head's GEMMs without oneDNN's bf16 math mode
+        import kernels
+
         kernels.lm_head.set_cpu_bf16_gemms(None)
         args = argparse.Namespace(**{**vars(args), "variant": args.variant.removesuffix("_ieee")})
     torch.manual_seed(0)

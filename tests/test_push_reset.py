@@ -12,11 +12,11 @@ import torch
 
 from grpo.cpu import CPUConfig
 from grpo.cpu.serving import engine_env
+from grpo.models import load_model
 from grpo.serving.engine_weights import WeightsState
 from grpo.serving.server import parse_args, vllm_args
 from grpo.serving.weights_check import check_weights_dir
 from grpo.serving.weights_writer import write_weights
-from grpo.models import load_model
 from tiny_models import make_tiny_model_dir
 
 CPU_BLOCK = 128  # tokens per KV block of the CPU engine: only full blocks are cached
