@@ -49,7 +49,8 @@ from grpo.objective import (all_reduce_stats, contributing, finalize_stats, loca
                             merge_stats, token_weights)
 from grpo.optim import build_optimizer, build_scheduler
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
-                           gather_full_state_dict, init_distributed, launch_env, on_main_rank, shard_model)
+                           device_memory_bytes, gather_full_state_dict, gradient_sync_plan, init_distributed,
+                           launch_env, on_main_rank, shard_model)
 from grpo.policy import ObjectiveInputs, Policy, copy_policy
 from grpo.progress import Progress
 from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
@@ -141,6 +142,7 @@ class Run:
     stop: StopFlag
     serve_dtype: torch.dtype  # what pushes and the final export are cast to (the server's dtype)
     shares_gpu_with_server: bool = False  # one GPU for this trainer and the server (grpo.layout)
+    sync_every_micro_batch: bool = False  # reduce-scatter gradients after every micro-batch (optim.grad_sync)
     server: Optional[InferenceServer] = None
     scorer: Optional[RewardScorer] = None
     sampler: Optional[PromptSampler] = None
@@ -197,6 +199,10 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     policy = build_policy(cfg, info.device, trainable=True)
+    sync_every, why = gradient_sync_plan(cfg.optim.grad_sync, policy, device_memory_bytes(info.device, env.local_world_size))
+    if info.is_main:
+        print(f"[train] gradients reduce-scattered after {'every' if sync_every else 'the last'} micro-batch ({why})",
+              file=sys.stderr)
     # which path the objective takes here (fused kernel, torch inside the fused head, or whole
     # sequences through autograd); on CUDA, a kernel that leaves a statistic unwritten stops here
     objective_path = check_objective_path(cfg.objective, info.device, cfg.kernels)
@@ -213,7 +219,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               checkpointer=checkpointer, logger=MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               stop=StopFlag(), serve_dtype=serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu),
               sampler=sampler, eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
-              shares_gpu_with_server=layout.shares_gpu, recorded=recorded,
+              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, sync_every_micro_batch=sync_every,
               instruments=OffPolicyInstruments(cfg, info, run_dir, policy, pushed_policy, tokenizer, made_with))
     room = checkpointer.room_warning(checkpoint_size(run)) if info.is_main else None
     if room:  # a save writes the new checkpoint before it prunes the oldest
@@ -466,8 +472,9 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
     num_seqs, num_tokens = denominators
     totals, entropy_sum = None, torch.zeros((), device=run.dist.device)
     for j, mb in enumerate(micro_batches):
-        # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch.
-        run.policy.set_requires_gradient_sync(j == len(micro_batches) - 1)
+        # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch, which
+        # keeps full unsharded fp32 gradients on every rank meanwhile (optim.grad_sync)
+        run.policy.set_requires_gradient_sync(run.sync_every_micro_batch or j == len(micro_batches) - 1)
         if first:
             logp_ref = None
             if run.ref_policy is not None:
@@ -493,6 +500,10 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
             cache.split.after(mb.logp_alpha, out.logp, weights != 0)
         totals = out.stats if totals is None else merge_stats(totals, out.stats)
     if first:
+        # pi_ref's no-grad forwards left FSDP2's root gathered (a root does not reshard after forward):
+        # free it until the next batch (the staleness split does the same for pi_push)
+        if run.ref_policy is not None:
+            run.ref_policy.reshard()
         cache.entropy_sum = all_reduce_sum({"entropy": entropy_sum})["entropy"]
         cache.split.finish()
     return all_reduce_stats(totals), cache.entropy_sum

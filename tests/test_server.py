@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -499,6 +500,11 @@ def test_generation_waits_during_a_push(server, tiny):
 
 
 @pytest.mark.vllm
+def test_health_reports_the_lm_head_dtype_the_engine_runs(server):
+    assert server.client.request("GET", "/grpo/health")["head_dtype"] == "float32"
+
+
+@pytest.mark.vllm
 def test_a_refused_request_is_not_a_death(server, tiny):
     """A 4xx answer is raised as it is: no restart, no re-push (the same process keeps serving)."""
     pid, version = server.pid, server.weights_version()
@@ -644,6 +650,32 @@ def test_vllm_chooses_the_executor_on_gpu_and_a_cpu_engine_gets_the_in_process_o
     assert gpu.worker_extension_cls == "grpo.serving.worker_ext.GRPOWorkerExtension"
     cpu = vllm_args(parse_args(base), 8000, on_cpu=True)
     assert cpu.distributed_executor_backend == EXECUTOR and cpu.tensor_parallel_size == 1
+
+
+def test_the_launched_server_runs_its_lm_head_in_fp32_by_default(tmp_path):
+    """The trainer's logits are fp32; vLLM computes a generation model's in the model's dtype unless
+    hf_overrides says head_dtype. The launched server's command carries --head-dtype float32 by
+    default (server.head_dtype: model for the serving dtype), the server hands it to vLLM, and vLLM's
+    model config resolves it for a bf16 engine: fp32 by default, bf16 when asked."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from grpo.serving.inference import _REPO_ROOT, server_command
+    from grpo.serving.server import parse_args, vllm_args
+
+    model_dir = make_tiny_model_dir(tmp_path / "model", arch="qwen2", dtype=torch.bfloat16)
+    heads = {}
+    for cfg in (ServerConfig(), ServerConfig(head_dtype="model")):
+        cmd = server_command(cfg, model_dir, tmp_path / "w", tmp_path / "server", torch.bfloat16, 0.85)
+        assert cmd[1:3] == ["-m", "grpo.serving.server"]
+        assert cmd[cmd.index("--head-dtype") + 1] == cfg.head_dtype
+        args = vllm_args(parse_args(cmd[3:] + ["--port", "0"]), 8000, on_cpu=True)
+        assert args.hf_overrides == {"head_dtype": cfg.head_dtype}
+        heads[cfg.head_dtype] = AsyncEngineArgs.from_cli_args(args).create_model_config().head_dtype
+    assert heads == {"float32": torch.float32, "model": torch.bfloat16}
+    with pytest.raises(ValueError, match="head_dtype: must be one of"):
+        ServerConfig(head_dtype="float16")
+    # the child imports grpo from the checkout, wherever the trainer was started
+    assert (Path(_REPO_ROOT) / "grpo" / "serving" / "server.py").is_file()
 
 
 def test_config_validation():

@@ -40,8 +40,9 @@ from grpo.serving.weights_dir import prune_weights
 from grpo.serving.weights_writer import write_weights
 
 TOKEN_ENV = "GRPO_SERVER_TOKEN"
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout: the launched child imports grpo from here
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+HEAD_DTYPES = ("float32", "model")
 
 
 @dataclass
@@ -69,6 +70,8 @@ class ServerConfig:
     seed: int = 0  # engine seed (set once; per-request seeds kill the CPU engine)
     trust_remote_code: bool = False  # let the model directory run its own Python code
     enforce_eager: bool = False  # no CUDA graphs / compilation: faster start, slower decoding
+    head_dtype: Literal["float32", "model"] = "float32"  # the engine's LM head: fp32 logits as the trainer's (alpha's
+    #                                                  log-probs in every ratio); "model": the serving dtype, faster
 
     def __post_init__(self) -> None:
         if self.url is not None and urllib.parse.urlparse(self.url).scheme not in ("http", "https"):
@@ -93,6 +96,8 @@ class ServerConfig:
             raise ValueError(f"max_model_len: must be >= 16, got {self.max_model_len}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"head_dtype: must be one of {list(HEAD_DTYPES)}, got {self.head_dtype!r}")
 
 
 def check_context_fits(cfg: ServerConfig, longest_prompt: int, budgets: dict[str, int]) -> None:
@@ -183,6 +188,22 @@ def _default_parent(run_dir: Path, need_bytes: int, keep_last: int) -> Path:
     return run_dir
 
 
+def server_command(cfg: ServerConfig, model_dir: Path, root: Path, server_dir: Path, dtype: torch.dtype,
+                   memory_fraction: float) -> list[str]:
+    """The launched server's command line (each start adds --port; a CPU engine its own flags): the
+    served model at `dtype`, its LM head at server.head_dtype, the private weights root and token file."""
+    cmd = [sys.executable, "-m", "grpo.serving.server", "--model", str(model_dir), "--weights-root", str(root),
+           "--token-file", str(server_dir / "token"), "--port-file", str(server_dir / "port"), "--host", cfg.host,
+           "--dtype", str(dtype).removeprefix("torch."), "--head-dtype", cfg.head_dtype,
+           "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
+           "--gpu-memory-utilization", str(memory_fraction), "--keep-last", str(cfg.keep_last),
+           "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+           "--parent-pid", str(os.getpid()), "--upload-timeout-s", str(cfg.upload_timeout_s)]
+    cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
+    cmd += ["--enforce-eager"] if cfg.enforce_eager else []
+    return cmd
+
+
 class WeightsMismatchError(InferenceServerError):
     """The weights the engine reports holding are not those the trainer pushed: stop the run."""
 
@@ -241,15 +262,7 @@ class InferenceServer:
         os.close(fd)
         fraction = gpu_memory_utilization or cfg.gpu_memory_utilization or 0.85
         dtype = serving_dtype(cfg, model_dir, on_cpu=gpu is None)
-        cmd = [sys.executable, "-m", "grpo.serving.server", "--model", str(model_dir), "--weights-root", str(root),
-               "--token-file", str(token_file), "--port-file", str(server_dir / "port"), "--host", cfg.host,
-               "--dtype", str(dtype).removeprefix("torch."),
-               "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
-               "--gpu-memory-utilization", str(fraction), "--keep-last", str(cfg.keep_last),
-               "--tensor-parallel-size", str(cfg.tensor_parallel_size),
-               "--parent-pid", str(os.getpid()), "--upload-timeout-s", str(cfg.upload_timeout_s)]
-        cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
-        cmd += ["--enforce-eager"] if cfg.enforce_eager else []
+        cmd = server_command(cfg, model_dir, root, server_dir, dtype, fraction)
         env = dict(os.environ)
         env.pop(TOKEN_ENV, None)
         env["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
