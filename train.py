@@ -215,13 +215,16 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
               shares_gpu_with_server=layout.shares_gpu, recorded=recorded, pushed_policy=pushed_policy)
     progress = Progress()
-    if pushed_policy is not None and not resume:  # version 0, served from the model directory, is pi_theta_0
+    latest = run.checkpointer.latest() if resume else None
+    if resume and latest is None:  # stopped before its first checkpoint: the run starts again, its rows dropped
+        if info.is_main:
+            print(f"[train] --resume: no complete checkpoint under {run.checkpointer.dir}; starting from step 0",
+                  file=sys.stderr)
+        run.logger.truncate_after(0)
+    if pushed_policy is not None and latest is None:  # version 0, served from the model directory, is pi_theta_0
         copy_policy(pushed_policy, policy)
         run.pushed_known = True
-    if resume:
-        latest = run.checkpointer.latest()
-        if latest is None:
-            raise SystemExit(f"--resume: no complete checkpoint under {run.checkpointer.dir}")
+    if latest is not None:
         saved = run.checkpointer.load(latest, policy, optimizer, ref_policy, push_model=pushed_policy)
         # saved inside a v-window with its copy of the pushed weights; else the next push makes one
         run.pushed_known = pushed_policy is not None and Checkpointer.holds_push_model(latest)
