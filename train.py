@@ -45,8 +45,9 @@ from grpo.optim import build_optimizer, build_scheduler
 from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
 from grpo.objective import (all_reduce_stats, check_objective_path, contributing, finalize_stats,
                             local_denominators, merge_stats, token_weights)
-from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
-                           gather_full_state_dict, init_distributed, launch_env, shard_model)
+from grpo.parallel import (EXIT_LOST_RANK, DistInfo, all_reduce_max, all_reduce_sum, broadcast_json,
+                           close_distributed, gather_full_state_dict, init_distributed, launch_env, lost_rank,
+                           on_lost_rank, shard_model, stop_watchdog)
 from grpo.policy import ObjectiveInputs, Policy
 from grpo.parity import ParityProbe, parity_stats, trainer_logprobs, warn_if_apart
 from grpo.progress import Progress, alpha_lag
@@ -149,6 +150,7 @@ class Run:
     probe: Optional[ParityProbe] = None  # the parity probe's sequences, every rank (grpo/parity.py)
 
     def close(self) -> None:
+        stop_watchdog()  # ranks that end with this one are not lost
         self.sample_ahead.close()
         self.logger.close()
         if self.server is not None:
@@ -168,7 +170,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
                          rank=env.rank, local_rank=env.local_rank, local_world_size=env.local_world_size,
                          node_rank=env.node_rank, memory_fraction=cfg.server.gpu_memory_utilization,
                          server_gpus=cfg.server.tensor_parallel_size)
-    info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s)
+    info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s, cfg.parallel.heartbeat_timeout_s)
     cfg.log.run_name = shared_run_name(cfg)
     if cfg.grpo.batch_prompts % info.world_size:
         fits = [n for n in range(1, cfg.grpo.batch_prompts + 1) if cfg.grpo.batch_prompts % n == 0]
@@ -240,6 +242,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         run.scorer = RewardScorer(cfg.reward)
         run.server = InferenceServer.launch(cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
                                             gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
+        on_lost_rank(run.server.stop)  # a rank ending for a lost peer leaves no server behind
     # the CPU fence's one hook (nothing off CPU): malloc, the LM head's GEMMs, cores shared with the engine
     tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy, pushed_policy], run.sample_ahead, run.server)
     if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir and not cfg.replay:
@@ -645,6 +648,8 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, ModelPathError, LayoutError, ReplayError) as e:  # bad input: one line, exit 2
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        return stopped_by_lost_rank(e)
     try:
         bar = run.logger.progress(cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, initial=progress.step)
         for stage in range(progress.stage, cfg.grpo.S):
@@ -703,8 +708,20 @@ def main(argv=None) -> int:
             progress = replace(progress, stage=stage + 1, iteration=0)
         finish(run, progress)
         return 0
+    except Exception as e:
+        return stopped_by_lost_rank(e)
     finally:
         run.close()
+
+
+def stopped_by_lost_rank(error: Exception) -> int:
+    """A collective failed because another rank is gone: one line naming it (grpo.parallel.RankWatchdog)
+    instead of a traceback, and EXIT_LOST_RANK. Any other error is raised as it is."""
+    line = lost_rank(error)
+    if line is None:
+        raise error
+    print(line, file=sys.stderr)
+    return EXIT_LOST_RANK
 
 
 if __name__ == "__main__":
