@@ -151,10 +151,10 @@ class Run:
 
     def close(self) -> None:
         stop_watchdog()  # ranks that end with this one are not lost
-        self.sample_ahead.close()
-        self.logger.close()
-        if self.server is not None:
+        if self.server is not None:  # first: the launcher kills a rank that takes long to end (torchrun: 30 s)
             self.server.stop()
+        self.sample_ahead.close()  # a batch sampled ahead fails at once with the server stopped
+        self.logger.close()
         if self.scorer is not None:
             self.scorer.close()
         # The sharded models hold the process group: release them so that it is freed here.
