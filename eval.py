@@ -31,21 +31,23 @@ from typing import Optional
 
 import yaml
 
-from grpo.serving.client import InferenceServerError
-from grpo.cpu import CPUConfig
-from grpo.serving.inference import InferenceServer, ServerConfig
-from grpo.layout import LayoutError, plan_layout, visible_gpus
+from grpo import preflight
 from grpo.config import ConfigError, apply_overrides, load_config, save_config
+from grpo.cpu import CPUConfig
 from grpo.data import DataConfig, DataError, load_problems
-from grpo.models import ModelPathError, resolve_model_path
 from grpo.evaluation import EvalConfig, evaluate
+from grpo.layout import LayoutError, plan_layout, visible_gpus
+from grpo.models import ModelPathError, resolve_model_path
 from grpo.rewards import RewardConfig, RewardScorer
+from grpo.serving.client import InferenceServerError
+from grpo.serving.inference import InferenceServer, ServerConfig
 
 REPO_ROOT = Path(__file__).resolve().parent
 
 
 @dataclass
 class EvalRunConfig:
+    plugins: list[str] = field(default_factory=list)  # the user's own modules (reward terms: docs/extending.md)
     model: str = ".cache/models/smollm2"  # HF model directory, or a run directory (its final/ or newest export)
     out_dir: Optional[str] = None  # output directory; None = runs/eval/<dataset>-<model>-<YYYYmmdd-HHMMSS>
     data: DataConfig = field(default_factory=DataConfig)  # dataset and prompt format (as in training)
@@ -181,7 +183,8 @@ def parse_args(argv: Optional[list[str]]) -> tuple[Optional[str], list[str]]:
                                 epilog="Any config key can be set as key=value, e.g. eval.pass_k=[1,8] server.seed=1.")
     p.add_argument("--config", help="YAML config (configs/eval_*.yaml)")
     p.add_argument("--model", help="model or run directory (= model=...)")
-    p.add_argument("--dataset", help="gsm8k_test | math500 | aime24 | amc23 | arithmetic | a .jsonl/.json/.parquet path")
+    p.add_argument("--dataset", help="a named set (gsm8k_test, math500, aime24, amc23, ...), arithmetic, a Hub id, "
+                                     "a dataset folder or a .jsonl/.json/.parquet path (docs/data.md)")
     p.add_argument("--k", type=int, help="samples per problem (= eval.k)")
     p.add_argument("--temperature", type=float, help="= eval.temperature")
     p.add_argument("--max-tokens", type=int, help="= eval.max_tokens")
@@ -189,13 +192,17 @@ def parse_args(argv: Optional[list[str]]) -> tuple[Optional[str], list[str]]:
     p.add_argument("--out", help="output directory (= out_dir)")
     p.add_argument("--url", help="attach to a running server instead of launching one (= server.url)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
+    preflight.add_arguments(p, trainer=False)
     ns = p.parse_args(argv)
     flags = {"model": ns.model, "data.dataset": ns.dataset, "eval.k": ns.k, "eval.temperature": ns.temperature,
              "eval.max_tokens": ns.max_tokens, "eval.n_problems": ns.n_problems, "out_dir": ns.out,
              "server.url": ns.url}
     # Flags first: an explicit key=value given as well wins.
-    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None]
-    return ns.config, overrides + ns.overrides
+    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None] + ns.overrides
+    if ns.check:  # the dry run: every start-up decision, one line each, nothing started (grpo/preflight.py)
+        sys.exit(preflight.check_evaluation(lambda: build_config(ns.config, overrides), resolve_model_dir, ns.gpus,
+                                            errors=(EvalError,)))
+    return ns.config, overrides
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -12,7 +12,8 @@ for stage s < S:                                   (the reference policy is refr
 
 Rank 0 talks to the server and scores; the batch is broadcast and every rank trains on its share
 (FSDP2). `main` at the bottom is the loop; the functions above it are its steps, and `setup`
-builds everything they use.
+builds everything they use. The off-policy instruments (staleness split, parity probe, recording:
+grpo/instruments.py) are called at the loop's points, as the checkpointer is; they measure, never steer.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from grpo import metrics
+from grpo import metrics, preflight
 from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_batches, group_row_length,
                            group_rows, plan_micro_batches)
 from grpo.checkpoint import CheckpointError, Checkpointer, check_shared_directory, export_hf
@@ -38,23 +39,24 @@ from grpo.cpu import tune_trainer
 from grpo.cpu.bf16 import multiplies_bf16
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
 from grpo.evaluation import evaluate
+from grpo.fsutil import NoSpaceError
+from grpo.instruments import OffPolicyInstruments, StalenessSplit
+from grpo.kernel_dispatch import check_objective_path
+from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
 from grpo.metrics import MetricsLogger
 from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_model_path
-from grpo import staleness
+from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, logged_stats,
+                            merge_stats, token_weights)
 from grpo.optim import build_optimizer, build_scheduler
-from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
-from grpo.objective import (all_reduce_stats, check_objective_path, contributing, finalize_stats,
-                            local_denominators, merge_stats, token_weights)
 from grpo.parallel import (EXIT_LOST_RANK, DistInfo, all_reduce_max, all_reduce_sum, broadcast_json,
-                           close_distributed, gather_full_state_dict, init_distributed, launch_env, lost_rank,
-                           on_lost_rank, shard_model, stop_watchdog)
-from grpo.policy import ObjectiveInputs, Policy
-from grpo.parity import ParityProbe, parity_stats, trainer_logprobs, warn_if_apart
-from grpo.progress import Progress, alpha_lag
-from grpo.recording import RecordedStream, ReplayError, record_batch
+                           close_distributed, device_memory_bytes, gather_full_state_dict, gradient_sync_plan,
+                           init_distributed, launch_env, lost_rank, on_lost_rank, on_main_rank, shard_model,
+                           stop_watchdog)
+from grpo.policy import ObjectiveInputs, Policy, copy_policy
+from grpo.progress import Progress
+from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
-from grpo.serving.client import InferenceServerError
 from grpo.serving.inference import InferenceServer, check_context_fits, serving_dtype
 from grpo.shared_prompt import use_shared_prompt_attention
 from grpo.train_config import TrainConfig
@@ -71,7 +73,10 @@ def parse_args(argv=None) -> tuple[TrainConfig, bool]:
     ap.add_argument("--replay", metavar="RUN_DIR", help="train on the batches RUN_DIR recorded (log.save_rollouts) "
                                                         "instead of sampling: no inference server (docs/offpolicy.md)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.v=10 optim.lr=1e-6")
+    preflight.add_arguments(ap, trainer=True)
     args = ap.parse_intermixed_args(argv)  # --resume may stand anywhere, also after overrides
+    if args.check:  # the dry run: every start-up decision, one line each, nothing started (grpo/preflight.py)
+        sys.exit(preflight.check_training(args, prompts_fit=check_prompts_fit))
     cfg = load_config(TrainConfig, args.config, args.overrides)
     cfg.model.path = resolve_model_path(cfg.model.path)  # a hub id becomes its local snapshot, once
     if args.replay:
@@ -121,7 +126,7 @@ class StopFlag:
         return all_reduce_max(float(self.requested)) > 0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """Everything the loop uses. server, scorer, sampler and eval_problems live on rank 0 only."""
 
@@ -138,16 +143,14 @@ class Run:
     stop: StopFlag
     serve_dtype: torch.dtype  # what pushes and the final export are cast to (the server's dtype)
     shares_gpu_with_server: bool = False  # one GPU for this trainer and the server (grpo.layout)
+    sync_every_micro_batch: bool = False  # reduce-scatter gradients after every micro-batch (optim.grad_sync)
     server: Optional[InferenceServer] = None
     scorer: Optional[RewardScorer] = None
     sampler: Optional[PromptSampler] = None
     eval_problems: Optional[list] = None
     sample_ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
     recorded: Optional[RecordedStream] = None  # --replay: the batches a run recorded, in place of the server (rank 0)
-    # the weights of the last push, frozen: pi_push of grpo/staleness.py (log.split_staleness, v > 1)
-    pushed_policy: Optional[Policy] = None
-    pushed_known: bool = False  # pushed_policy holds the push that alpha is (False after a resume that lost it)
-    probe: Optional[ParityProbe] = None  # the parity probe's sequences, every rank (grpo/parity.py)
+    instruments: OffPolicyInstruments  # staleness split, parity probe, recording (grpo/instruments.py)
 
     def close(self) -> None:
         stop_watchdog()  # ranks that end with this one are not lost
@@ -158,7 +161,8 @@ class Run:
         if self.scorer is not None:
             self.scorer.close()
         # The sharded models hold the process group: release them so that it is freed here.
-        self.policy = self.ref_policy = self.pushed_policy = self.optimizer = self.scheduler = self.checkpointer = None
+        self.instruments.close()
+        self.policy = self.ref_policy = self.optimizer = self.scheduler = self.checkpointer = None
         close_distributed()
 
 
@@ -172,19 +176,17 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
                          server_gpus=cfg.server.tensor_parallel_size)
     info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s, cfg.parallel.heartbeat_timeout_s)
     cfg.log.run_name = shared_run_name(cfg)
-    if cfg.grpo.batch_prompts % info.world_size:
-        fits = [n for n in range(1, cfg.grpo.batch_prompts + 1) if cfg.grpo.batch_prompts % n == 0]
-        raise ConfigError(f"grpo.batch_prompts: {cfg.grpo.batch_prompts} prompts do not split over "
-                          f"{info.world_size} ranks (rank counts that divide it: {fits}); change the ranks or "
-                          f"grpo.batch_prompts")
+    preflight.check_batch_split(cfg.grpo.batch_prompts, info.world_size)
     torch.manual_seed(cfg.seed + info.rank)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     sampler = eval_problems = None
-    recorded = None
+    recorded = made_with = None
     if info.is_main:  # bad data is refused before anything slow starts
+        if cfg.replay or cfg.log.save_rollouts:
+            made_with = model_and_tokenizer(cfg.model.path, tokenizer)
         if cfg.replay:
             recorded = RecordedStream(cfg.replay)
-            recorded.check_covers(cfg.grpo.S, cfg.grpo.M)
+            recorded.check(cfg, made_with)
         sampler = named_input("data", lambda: make_sampler(cfg.data, cfg.grpo.batch_prompts, seed=cfg.seed))
         if cfg.eval_data is not None:
             eval_problems = named_input("eval_data", lambda: load_problems(cfg.eval_data))
@@ -199,6 +201,10 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     policy = build_policy(cfg, info.device, trainable=True)
+    sync_every, why = gradient_sync_plan(cfg.optim.grad_sync, policy, device_memory_bytes(info.device, env.local_world_size))
+    if info.is_main:
+        print(f"[train] gradients reduce-scattered after {'every' if sync_every else 'the last'} micro-batch ({why})",
+              file=sys.stderr)
     # which path the objective takes here (fused kernel, torch inside the fused head, or whole
     # sequences through autograd); on CUDA, a kernel that leaves a statistic unwritten stops here
     objective_path = check_objective_path(cfg.objective, info.device, cfg.kernels)
@@ -206,16 +212,20 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         print(f"[train] objective {cfg.objective.loss} (is_correction {cfg.objective.correction}): "
               f"{objective_path} path", file=sys.stderr)
     ref_policy = build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
-    # staleness needs pi_push on the batches sampled after steps were taken since the push: v > 1
-    keeps_push = cfg.log.split_staleness and cfg.grpo.v > 1 and not cfg.replay
-    pushed_policy = build_policy(cfg, info.device, trainable=False) if keeps_push else None
+    # pi_push, frozen between pushes, for the staleness split of batches sampled before steps were taken
+    pushed_policy = build_policy(cfg, info.device, trainable=False) if OffPolicyInstruments.keeps_push(cfg) else None
     optimizer = build_optimizer(policy, cfg.optim)
-    run = Run(cfg, info, run_dir, tokenizer, policy, ref_policy,
-              optimizer, build_scheduler(optimizer, cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, cfg.optim),
-              checkpointer, MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
-              StopFlag(), serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu), sampler=sampler,
-              eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
-              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, pushed_policy=pushed_policy)
+    run = Run(cfg=cfg, dist=info, run_dir=run_dir, tokenizer=tokenizer, policy=policy, ref_policy=ref_policy,
+              optimizer=optimizer,
+              scheduler=build_scheduler(optimizer, cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, cfg.optim),
+              checkpointer=checkpointer, logger=MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
+              stop=StopFlag(), serve_dtype=serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu),
+              sampler=sampler, eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
+              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, sync_every_micro_batch=sync_every,
+              instruments=OffPolicyInstruments(cfg, info, run_dir, policy, pushed_policy, tokenizer, made_with))
+    room = checkpointer.room_warning(checkpoint_size(run)) if info.is_main else None
+    if room:  # a save writes the new checkpoint before it prunes the oldest
+        print(f"[train] warning: {room}", file=sys.stderr)
     progress = Progress()
     latest = run.checkpointer.latest() if resume else None
     if resume and latest is None:  # stopped before its first checkpoint: the run starts again, its rows dropped
@@ -223,13 +233,12 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
             print(f"[train] --resume: no complete checkpoint under {run.checkpointer.dir}; starting from step 0",
                   file=sys.stderr)
         run.logger.truncate_after(0)
-    if pushed_policy is not None and latest is None:  # version 0, served from the model directory, is pi_theta_0
-        copy_policy(pushed_policy, policy)
-        run.pushed_known = True
-    if latest is not None:
+    if latest is None:
+        run.instruments.start()
+    else:
         saved = run.checkpointer.load(latest, policy, optimizer, ref_policy, push_model=pushed_policy)
-        # saved inside a v-window with its copy of the pushed weights; else the next push makes one
-        run.pushed_known = pushed_policy is not None and Checkpointer.holds_push_model(latest)
+        # saved inside a v-window with its copy of the pushed weights (else the next push makes one); the run's probe
+        run.instruments.resumed(Checkpointer.holds_push_model(latest))
         run.scheduler.load_state_dict(saved["scheduler"])
         progress = Progress.from_json(saved["progress"])
         if (latest / ALPHA_DIR).is_dir():  # saved inside a v-window: alpha's weights travel with it
@@ -237,11 +246,11 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         if info.is_main:
             run.sampler.load_state_dict(saved["sampler"])
         run.logger.truncate_after(progress.step)
-        run.probe = broadcast_probe(saved_probe(cfg, run_dir) if info.is_main else None)  # the run's own tokens
     if info.is_main and not cfg.replay:
         run.scorer = RewardScorer(cfg.reward)
-        run.server = InferenceServer.launch(cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
-                                            gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
+        run.server = run.instruments.server = InferenceServer.launch(
+            cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
+            gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
         on_lost_rank(run.server.stop)  # a rank ending for a lost peer leaves no server behind
     # the CPU fence's one hook (nothing off CPU): malloc, the LM head's GEMMs, cores shared with the engine
     tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy, pushed_policy], run.sample_ahead, run.server)
@@ -250,28 +259,21 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     return run, progress
 
 
+def checkpoint_size(run: Run) -> int:
+    """The bytes of one checkpoint of this run: pi_theta and AdamW's two moments of each parameter,
+    pi_ref and pi_push where kept, and (v > 1, saved inside a window) alpha's weights as served."""
+    numel = sum(p.numel() for p in run.policy.parameters())  # a DTensor counts its global shape
+    theta = sum(p.numel() * p.element_size() for p in run.policy.parameters())
+    frozen = [m for m in (run.ref_policy, run.instruments.pushed_policy) if m is not None]
+    alpha = numel * run.serve_dtype.itemsize if run.cfg.grpo.v > 1 and not run.cfg.replay else 0
+    return 3 * theta + sum(p.numel() * p.element_size() for m in frozen for p in m.parameters()) + alpha
+
+
 def shared_run_name(cfg: TrainConfig) -> str:
     """Rank 0's run name on every rank (collective). A default name holds its rank's start time:
     ranks that started on either side of a second, or nodes started apart, would otherwise write
     into different run directories."""
     return broadcast_json(cfg.log.run_name)
-
-
-def saved_probe(cfg: TrainConfig, run_dir: Path) -> Optional[ParityProbe]:
-    """The parity probe a resumed run drew before, if drawn with the parity settings it has now
-    (else it is drawn again, from the next probed batch, and the run says so)."""
-    probe = ParityProbe.load(run_dir)
-    if probe is not None and not probe.drawn_with(cfg.parity):
-        print(f"[train] resume: the parity probe in {run_dir} was drawn with other parity settings "
-              f"({probe.settings()}); drawing a new one", file=sys.stderr)
-        return None
-    return probe
-
-
-def broadcast_probe(probe: Optional[ParityProbe]) -> Optional[ParityProbe]:
-    """Rank 0's parity probe on every rank (collective)."""
-    obj = broadcast_json(probe.to_json() if probe is not None else None)
-    return ParityProbe.from_json(obj) if obj is not None else None
 
 
 def named_input(key: str, load):
@@ -330,12 +332,14 @@ def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
         # vLLM's layer-wise reload allocates on the GPU this trainer shares: hand back cached blocks
         torch.cuda.empty_cache()
     version = progress.weights_version + 1
-    pushed = run.server.push(full_state, version, step=progress.step) if run.dist.is_main else None
-    pushed = broadcast_json(pushed and {"bytes": float(pushed["bytes"]), "weights_dir": str(pushed["weights_dir"])})
+
+    def push() -> dict:  # rank 0 writes, the server loads
+        reply = run.server.push(full_state, version, step=progress.step)
+        return {"bytes": float(reply["bytes"]), "weights_dir": str(reply["weights_dir"])}
+
+    pushed = on_main_rank(run.dist.is_main, push)
     progress = progress.after_push(version, pushed["weights_dir"])
-    if run.pushed_policy is not None:  # pi_push for the staleness split of the window's batches
-        copy_policy(run.pushed_policy, run.policy)
-        run.pushed_known = True
+    run.instruments.after_push()  # pi_push for the staleness split of the window's batches
     return progress, {"bytes": pushed["bytes"], "seconds": time.time() - t0}
 
 
@@ -456,26 +460,27 @@ class BatchCache:
     logp_k: list = field(default_factory=list)  # per micro-batch: pi_k's log-probs (the forward's own)
     logp_ref: list = field(default_factory=list)  # per micro-batch: pi_ref's log-probs (None at beta = 0)
     entropy_sum: Optional[float] = None  # pi_k's entropy summed over the batch's tokens (all ranks)
-    split: dict = field(default_factory=dict)  # alpha vs pi_k as mismatch + staleness (grpo/staleness.py), if known
+    # alpha vs pi_k as engine mismatch + staleness, on the first pass (grpo/instruments.py; the default: none)
+    split: StalenessSplit = field(default_factory=lambda: StalenessSplit(None, None))
 
 
-def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, denominators: tuple[int, int],
-                  push_lagged: Optional[bool] = None) -> tuple[dict[str, torch.Tensor], float]:
+def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
+                  denominators: tuple[int, int]) -> tuple[dict[str, torch.Tensor], float]:
     """One pass over this rank's micro-batches: forward, objective, backward (gradients accumulate).
     Returns the objective's statistics summed over micro-batches and ranks, and pi_k's entropy sum.
 
     On the first SGD iteration on a batch (an empty `cache`) the parameters are still pi_k, so pi_k's
     log-probs are the forward's own (detached) and are cached for the next i-1 iterations
     (ratio_anchor=exact needs them; approx uses them as PPO's pi_old); pi_ref's log-probs and pi_k's
-    entropy are computed once here too, and so is the staleness split (push_lagged: see
-    `split_source`; None: not logged).
+    entropy are computed once here too, and so is the staleness split (cache.split).
     """
     cfg, first = run.cfg, cache.entropy_sum is None
     num_seqs, num_tokens = denominators
-    totals, entropy_sum, split = None, torch.zeros((), device=run.dist.device), None
+    totals, entropy_sum = None, torch.zeros((), device=run.dist.device)
     for j, mb in enumerate(micro_batches):
-        # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch.
-        run.policy.set_requires_gradient_sync(j == len(micro_batches) - 1)
+        # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch, which
+        # keeps full unsharded fp32 gradients on every rank meanwhile (optim.grad_sync)
+        run.policy.set_requires_gradient_sync(run.sync_every_micro_batch or j == len(micro_batches) - 1)
         if first:
             logp_ref = None
             if run.ref_policy is not None:
@@ -483,11 +488,7 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
                     logp_ref, _ = run.ref_policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
                                                  position_ids=mb.position_ids, segments=mb.segments)
             cache.logp_ref.append(logp_ref)
-            logp_push = None
-            if push_lagged:  # steps were taken since the push that sampled this batch: score with its weights
-                with torch.no_grad():
-                    logp_push, _ = run.pushed_policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
-                                                     position_ids=mb.position_ids, segments=mb.segments)
+            cache.split.before(mb)  # steps were taken since the push that sampled this batch: its weights score it
         mask = mb.completion_mask.bool()
         weights = token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=num_seqs,
                                 num_tokens=num_tokens, max_len=cfg.grpo.max_new_tokens, truncated=mb.truncated)[mask]
@@ -502,76 +503,25 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
             cache.logp_k.append(out.logp)
             # over active tokens, like every statistic of the objective (it is divided by their count)
             entropy_sum = entropy_sum + (out.entropy * (weights != 0)).sum()
-            if push_lagged is not None:  # not lagged: pi_push is pi_k, the very same log-probs
-                split = staleness.add_sums(split, staleness.split_sums(
-                    mb.logp_alpha, logp_push if push_lagged else out.logp, out.logp, weights != 0))
+            cache.split.after(mb.logp_alpha, out.logp, weights != 0)
         totals = out.stats if totals is None else merge_stats(totals, out.stats)
     if first:
-        if push_lagged:  # its no-grad forwards left FSDP2's root gathered: free it until the next lagged batch
-            run.pushed_policy.reshard()
+        # pi_ref's no-grad forwards left FSDP2's root gathered (a root does not reshard after forward):
+        # free it until the next batch (the staleness split does the same for pi_push)
+        if run.ref_policy is not None:
+            run.ref_policy.reshard()
         cache.entropy_sum = all_reduce_sum({"entropy": entropy_sum})["entropy"]
-        if split is not None:
-            cache.split = staleness.split_means(all_reduce_sum(split))
+        cache.split.finish()
     return all_reduce_stats(totals), cache.entropy_sum
 
 
-def split_source(run: Run, progress: Progress, rollout: Rollout) -> Optional[bool]:
-    """Where pi_push's log-probs come from for this batch's staleness split (grpo/staleness.py):
-    False: no optimizer step since the push that sampled it, so pi_push is pi_k (on policy, exactly);
-    True: steps were taken, the frozen copy of the pushed weights scores it; None: not known (the
-    split is not logged: replay, log.split_staleness off, a resume that lost the copy)."""
-    if not run.cfg.log.split_staleness or run.cfg.replay:
-        return None
-    pushes, steps = alpha_lag(progress, rollout.weights_version, progress.step)
-    if pushes != 0 or steps is None:
-        return None
-    if steps == 0:
-        return False
-    return True if run.pushed_policy is not None and run.pushed_known else None
-
-
-def probe_parity(run: Run, progress: Progress, rollout: Rollout, stage: int, k: int) -> dict:
-    """Right after a push (and at the start), before any step on the new weights: the engine and
-    the trainer score the run's probe with the same weights (grpo/parity.py). The probe is drawn
-    from the first batch that reaches here and kept with the run. {} when not due; parity_* and
-    time_parity on rank 0. Collective (the trainer's forward)."""
-    cfg = run.cfg.parity
-    if cfg.sequences == 0 or run.cfg.replay or progress.weights_version % cfg.every != 0:
-        return {}
-    t0 = time.time()
-    if run.probe is None:
-        probe = None
-        if run.dist.is_main:
-            probe = ParityProbe.draw(rollout.samples, cfg, run.cfg.grpo.G,
-                                     {"stage": stage, "iteration": k, "weights_version": progress.weights_version})
-            probe.save(run.run_dir)
-        run.probe = broadcast_probe(probe)
-    trainer = trainer_logprobs(run.policy, run.probe, run.tokenizer.pad_token_id, run.dist.device,
-                               run.cfg.optim.share_prompts)
-    outcome = None
-    if run.dist.is_main:
-        try:
-            scored = run.server.score(run.probe.pairs(), temperature=run.cfg.grpo.temperature,
-                                      top_p=run.cfg.grpo.top_p)
-        except InferenceServerError as e:  # a diagnostic: say it failed, train on
-            print(f"[train] parity probe skipped at weights version {progress.weights_version}: {e}", file=sys.stderr)
-            outcome = {"stats": {}}
-        else:
-            if scored.weights_version != progress.weights_version:  # every rank stops, none waits for rank 0
-                outcome = {"error": f"parity probe: the server scored with weights version {scored.weights_version}, "
-                                    f"the trainer pushed version {progress.weights_version}"}
-            else:
-                stats = parity_stats(scored.logprobs, trainer, cfg.threshold)
-                warn_if_apart(stats, cfg, progress.weights_version)
-                outcome = {"stats": {**stats, "time_parity": time.time() - t0}}
-    outcome = broadcast_json(outcome)
-    if "error" in outcome:
-        raise RuntimeError(outcome["error"])
-    return outcome["stats"] if run.dist.is_main else {}
+class RunStopped(RuntimeError):
+    """The run cannot go on; the message says why in one line. Its last checkpoint is where --resume starts."""
 
 
 def optimizer_step(run: Run) -> tuple[float, bool]:
-    """Clip, then step unless the gradient is not finite (then the step is skipped and counted)."""
+    """Clip, then step unless the gradient is not finite (then the step is skipped and counted:
+    Progress.nan_skips, nan_streak; the LR schedule still advances)."""
     params = [p for p in run.policy.parameters() if p.grad is not None]
     max_norm = run.cfg.optim.grad_clip if run.cfg.optim.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, foreach=True)
@@ -588,16 +538,14 @@ def optimizer_step(run: Run) -> tuple[float, bool]:
     return grad_norm, finite
 
 
-@torch.no_grad()
-def copy_policy(frozen: Policy, policy: Policy) -> None:
-    """frozen <- pi_theta: pi_ref at the end of a stage, pi_push at a push. Same sharding on both,
-    so a local copy of each shard."""
-    # FSDP2 leaves the root's parameters unsharded after a forward it did not backprop through
-    # (the no-grad reference pass); reshard so both sides are DTensor shards.
-    frozen.reshard()
-    policy.reshard()
-    for p_frozen, p in zip(frozen.parameters(), policy.parameters()):
-        p_frozen.copy_(p)
+def check_nan_streak(cfg: TrainConfig, progress: Progress) -> None:
+    """More than optim.max_consecutive_skips steps in a row without a finite gradient: the run is
+    not training any more (a batch, a learning rate or the numerics broke it): stop, naming the key."""
+    if progress.nan_streak > cfg.optim.max_consecutive_skips:
+        first = progress.step - progress.nan_streak + 1
+        raise RunStopped(f"{progress.nan_streak} optimizer steps in a row (steps {first}-{progress.step}) had a "
+                         f"non-finite gradient, more than optim.max_consecutive_skips={cfg.optim.max_consecutive_skips}"
+                         f"; stopped (--resume continues from the last checkpoint)")
 
 
 def eval_due(cfg: TrainConfig, progress: Progress, stage: int, k: int) -> bool:
@@ -621,10 +569,9 @@ def save_checkpoint(run: Run, progress: Progress) -> None:
     # Inside a v-window the sampler alpha is not pi_theta: keep its exact weights with the
     # checkpoint (the server's copy dies with the server) so a resume samples from alpha again.
     inside_window = progress.iteration % run.cfg.grpo.v != 0
-    keep_push = inside_window and run.pushed_policy is not None and run.pushed_known
     run.checkpointer.save(progress.step, run.policy, run.optimizer, run.ref_policy, trainer_state=state,
                           extra_dirs={ALPHA_DIR: progress.weights_dir} if inside_window and progress.weights_dir else None,
-                          push_model=run.pushed_policy if keep_push else None)
+                          push_model=run.instruments.push_model_to_save(inside_window))
 
 
 def finish(run: Run, progress: Progress) -> None:
@@ -634,6 +581,37 @@ def finish(run: Run, progress: Progress) -> None:
         progress, _ = push_policy(run, progress)
         evaluate_policy(run, progress)
     export_hf(run.policy.lm, run.tokenizer, run.cfg.model.path, run.run_dir / "final", dtype=run.serve_dtype)
+
+
+def log_step(run: Run, bar, *, progress: Progress, stage: int, iteration: int, sgd_iteration: int, rollout: Rollout,
+             stats: dict, entropy_sum, grad_norm: float, started: float, iteration_started: float,
+             push: Optional[dict], shape: dict) -> None:
+    """The step's row (grpo/metrics.py) to metrics.jsonl, W&B and the progress bar. push: the push
+    before this iteration, on its first step (None after)."""
+    train_stats = logged_stats(finalize_stats(stats))
+    push = push or {"bytes": 0.0, "seconds": 0.0}
+    row = metrics.train_row(
+        progress=progress, stage=stage, iteration=iteration, sgd_iteration=sgd_iteration, rollout_stats=rollout.stats,
+        train_stats=train_stats, sampled_version=rollout.weights_version,
+        entropy=metrics.per_token(entropy_sum, train_stats["num_tokens"]), grad_norm=grad_norm,
+        lr=run.scheduler.get_last_lr()[0], time_train=time.time() - started, shape=shape, time_sync=push["seconds"],
+        sync_bytes=push["bytes"], iteration_seconds=time.time() - iteration_started,
+        instruments=run.instruments.row(sgd_iteration))
+    run.logger.log(row)
+    bar.update(1)
+    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row.get('kl', math.nan):.4f}",
+                    clip=f"{row.get('clip_frac', math.nan):.3f}", ver=row["weights_version"])
+
+
+def checkpoint_or_stop(run: Run, progress: Progress) -> bool:
+    """After an iteration: a checkpoint when due, or when Ctrl-C / SIGTERM asked to stop (agreed by
+    all ranks); True to stop."""
+    stopping = run.stop.agreed()
+    if stopping or run.checkpointer.due(progress.step, steps_taken=run.cfg.grpo.i):
+        save_checkpoint(run, progress)
+    if stopping and run.dist.is_main:
+        print(f"[train] stopped at step {progress.step}; resume with --resume", file=sys.stderr)
+    return stopping
 
 
 # ------------------------------------------------------------------------------------------------
@@ -665,42 +643,27 @@ def main(argv=None) -> int:
                 # B prompts x G completions from alpha; rewards, advantages (eq. 2), mask (eq. 8)
                 seed = batch_seed(cfg, stage, k)
                 rollout = sample_batch(run, progress, k, seed)
-                if cfg.log.save_rollouts and run.dist.is_main:  # the batch as trained on (docs/offpolicy.md)
-                    record_batch(run.run_dir, stage, k, seed, rollout)
-                # engine mismatch on the same weights: the parity probe, right after a push
-                parity = probe_parity(run, progress, rollout, stage, k) if k % cfg.grpo.v == 0 else {}
+                run.instruments.after_sampling(progress, stage, k, seed, rollout)  # recorded; parity after a push
                 if run.dist.is_main and run.sample_ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
                     run.sample_ahead.start(run, progress, k + 1, batch_seed(cfg, stage, k + 1))
                 micro_batches, denominators, shape = plan_batch(run, rollout)
 
                 # i SGD iterations on this batch (pi_k = the policy before the first of them)
-                cache, push_lagged = BatchCache(), split_source(run, progress, rollout)
+                cache = BatchCache(split=run.instruments.split)
                 for it in range(cfg.grpo.i):
                     t0 = time.time()
-                    stats, entropy_sum = sgd_iteration(run, micro_batches, cache, denominators, push_lagged)
+                    stats, entropy_sum = sgd_iteration(run, micro_batches, cache, denominators)
                     grad_norm, finite = optimizer_step(run)
                     progress = progress.after_step(finite)
-                    train_stats = finalize_stats(stats)
-                    row = metrics.train_row(
-                        progress, stage, k, it, rollout.stats, train_stats, sampled_version=rollout.weights_version,
-                        entropy=metrics.per_token(entropy_sum, train_stats["num_tokens"]), grad_norm=grad_norm,
-                        lr=run.scheduler.get_last_lr()[0], time_train=time.time() - t0, shape=shape,
-                        time_sync=push["seconds"] if it == 0 else 0.0, sync_bytes=push["bytes"] if it == 0 else 0.0,
-                        iteration_seconds=time.time() - t_iter, instruments={**cache.split, **(parity if it == 0 else {})})
-                    run.logger.log(row)
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row.get('kl', math.nan):.4f}",
-                                    clip=f"{row.get('clip_frac', math.nan):.3f}", ver=row["weights_version"])
+                    log_step(run, bar, progress=progress, stage=stage, iteration=k, sgd_iteration=it, rollout=rollout,
+                             stats=stats, entropy_sum=entropy_sum, grad_norm=grad_norm, started=t0,
+                             iteration_started=t_iter, push=push if it == 0 else None, shape=shape)
+                    check_nan_streak(cfg, progress)
                 if cfg.log.sample_table_every and k % cfg.log.sample_table_every == 0:
                     run.logger.log_samples(progress.step, rollout.table)
 
                 progress = replace(progress, iteration=k + 1)
-                stopping = run.stop.agreed()
-                if stopping or run.checkpointer.due(progress.step, steps_taken=cfg.grpo.i):
-                    save_checkpoint(run, progress)
-                if stopping:
-                    if run.dist.is_main:
-                        print(f"[train] stopped at step {progress.step}; resume with --resume", file=sys.stderr)
+                if checkpoint_or_stop(run, progress):
                     return 130
             # end of stage: pi_ref <- pi_theta
             if run.ref_policy is not None:
@@ -708,6 +671,12 @@ def main(argv=None) -> int:
             progress = replace(progress, stage=stage + 1, iteration=0)
         finish(run, progress)
         return 0
+    except (RunStopped, NoSpaceError, CheckpointError) as e:  # every rank stops; one line
+        bar.close()  # ends the progress bar's line first
+        if run.dist.is_main:
+            then = "; free space there, then --resume" if isinstance(e, NoSpaceError) else ""
+            print(f"[train] error: {e}{then}", file=sys.stderr)
+        return 1
     except Exception as e:
         return stopped_by_lost_rank(e)
     finally:

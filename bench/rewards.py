@@ -4,8 +4,10 @@ Workload: 1024 GSM8K-style completions (the test split's reference solutions wit
 rewritten as \\boxed{N}), half paired with their own gold answer and half with another problem's,
 all distinct, so neither the gold cache nor de-duplication makes the pool's work trivial.
 The pool is warmed up first (start-up is reported separately), as in a trainer that reuses it.
+The test split is the named set gsm8k_test: from the Hub (or its cache), or from --data-dir, a
+folder written by `python -m grpo.data fetch gsm8k_test --out DIR`.
 
-    .venv/bin/python bench/rewards.py [--workers 2] [--n 1024] [--repeats 3]
+    .venv/bin/python bench/rewards.py [--workers 2] [--n 1024] [--repeats 3] [--data-dir DIR]
 
 Final line: a JSON object with pool_per_s, inline_per_s and their ratio.
 """
@@ -22,11 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from grpo.rewards import RewardConfig, RewardScorer  # noqa: E402
+from grpo.data import DataConfig, DataError, read_rows  # noqa: E402
+from grpo.rewards import Completion, RewardConfig, RewardScorer  # noqa: E402
 
 
-def workload(n: int) -> tuple[list[str], list[str], list[float]]:
-    rows = [json.loads(line) for line in (ROOT / "../shared/data/gsm8k_test.jsonl").read_text().splitlines()]
+def workload(n: int, data_dir: str | None) -> tuple[list[str], list[str], list[float]]:
+    try:
+        rows = [row for _, row in read_rows(DataConfig(dataset="gsm8k_test", data_dir=data_dir)).rows]
+    except DataError as e:
+        raise SystemExit(f"bench/rewards.py: {e}") from None
     rows = (rows * (n // len(rows) + 1))[:n]
     solutions = [re.sub(r"####\s*(.+)\s*$", lambda m: f"\\boxed{{{m.group(1).strip()}}}", r["answer"]) for r in rows]
     gold = [r["answer"].rsplit("####", 1)[1].strip().replace(",", "") for r in rows]
@@ -41,7 +47,7 @@ def rate(scorer: RewardScorer, completions, golds, expected, repeats: int) -> fl
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        rewards, info = scorer.score(completions, golds)
+        rewards, info = scorer.score([Completion(text, gold) for text, gold in zip(completions, golds)])
         best = min(best, time.perf_counter() - t0)
         if rewards != expected or info["timeouts"]:
             raise SystemExit(f"bench/rewards.py: wrong scores ({sum(r != e for r, e in zip(rewards, expected))} "
@@ -54,8 +60,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--n", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--data-dir", help="read gsm8k_test from DIR/gsm8k_test.jsonl instead of the Hub")
     args = parser.parse_args()
-    completions, golds, expected = workload(args.n)
+    completions, golds, expected = workload(args.n, args.data_dir)
 
     with RewardScorer(RewardConfig(workers=0)) as inline:
         inline_per_s = rate(inline, completions, golds, expected, args.repeats)

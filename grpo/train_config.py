@@ -66,17 +66,23 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm (0: off)
+    max_consecutive_skips: int = 5  # optimizer steps in a row skipped for a non-finite gradient before the run stops (0: the first stops it)
     warmup_steps: int = 0  # linear warmup (optimizer steps)
     schedule: Literal["constant", "cosine"] = "constant"  # after warmup
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
     token_budget: int = 4096  # padded tokens per micro-batch per rank; gradients accumulate over micro-batches
     share_prompts: bool = False  # a group's prompt runs forward once, its completions as slots of one row (grpo/shared_prompt.py); same numbers, fewer tokens
+    grad_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"  # when FSDP2 reduce-scatters gradients:
+    #   last_micro_batch keeps full unsharded fp32 gradients on every rank in between (4 B/param), every_micro_batch
+    #   one reduce-scatter per micro-batch; auto: by the model's size and the device's memory (grpo/parallel.py)
 
     def __post_init__(self):
         if self.lr <= 0:
             raise ValueError(f"lr: must be > 0, got {self.lr}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip: must be >= 0, got {self.grad_clip}")
+        if isinstance(self.max_consecutive_skips, bool) or self.max_consecutive_skips < 0:
+            raise ValueError(f"max_consecutive_skips: must be an integer >= 0, got {self.max_consecutive_skips!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -87,6 +93,9 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
+    # the user's own modules (a .py path or a dotted name), imported before the rest of the config is
+    # read: losses, advantages, reward terms and metrics registered there, with their knobs (docs/extending.md)
+    plugins: list[str] = field(default_factory=list)
     seed: int = 0  # seeds data order, sampling engine and torch
     model: ModelConfig = field(default_factory=ModelConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)

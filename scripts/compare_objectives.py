@@ -1,7 +1,7 @@
 """Several objectives on the same recorded batches, from the same parameters: how their updates differ.
 
     python scripts/compare_objectives.py --run runs/<recorded> --config configs/cpu_demo.yaml \
-        --objective grpo --objective "cispo: objective.loss=cispo objective.adv_scale=none" \
+        --objective grpo --objective "cispo: objective.loss=cispo objective.advantage=none" \
         --objective "gspo: objective.loss=gspo" --out runs/<recorded>/compare
 
 A recorded run (log.save_rollouts: true) holds every batch as trained on, with alpha's log-probs.
@@ -31,10 +31,10 @@ import torch  # noqa: E402
 
 from grpo.batching import collate  # noqa: E402
 from grpo.config import ConfigError, load_config  # noqa: E402
-from grpo.models import load_model  # noqa: E402
+from grpo.models import load_model, load_tokenizer  # noqa: E402
 from grpo.objective import finalize_stats, local_denominators, token_weights  # noqa: E402
 from grpo.policy import ObjectiveInputs, Policy  # noqa: E402
-from grpo.recording import RecordedStream, ReplayError  # noqa: E402
+from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
 
 
@@ -64,6 +64,7 @@ def gradient(policy: Policy, rollout, cfg: TrainConfig) -> tuple[torch.Tensor, d
 
 def compare(run_dir: Path, base: TrainConfig, objectives: list[tuple[str, TrainConfig]], model_path: str) -> list[dict]:
     stream = RecordedStream(run_dir)
+    stream.check_batches(sorted(stream.files), base, model_and_tokenizer(model_path, load_tokenizer(model_path)))
     lm = load_model(model_path, dtype=torch.float32)
     policy = Policy(lm, base.grpo.temperature, base.kernels)
     rows = []

@@ -1,72 +1,280 @@
-"""grpo/data.py: loaders on the real data files, malformed rows, arithmetic task, prompts, sampler."""
+"""grpo/data: the named sets (Hub layout, fetched files, the full real sets), malformed rows, the
+arithmetic task, prompts, the sampler.
+
+Every row here is written by the test in its source's schema. The Hub path runs without a network:
+a folder laid out like the Hub's dataset repository, at the named set's Hub id relative to the
+working directory, is what `datasets.load_dataset(id, config, split=...)` reads (HF_HUB_OFFLINE on).
+The checks that need the full real sets read them from $GRPO_TEST_DATA_DIR (a folder of
+`python -m grpo.data fetch ... --out DIR` files) and skip without it.
+"""
 import json
+import os
 import warnings
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from grpo.config import ConfigError, load_config
-from grpo.data import (ArithmeticConfig, ArithmeticTask, DataConfig, DataError, Problem, PromptSampler,
-                       build_prompt, encode_prompt, load_problem_set, load_problems, make_sampler)
+from grpo.data import (NAMED_SETS, ArithmeticConfig, ArithmeticTask, DataConfig, DataError, DataUnavailable, Problem,
+                       PromptSampler, build_prompt, encode_prompt, load_problem_set, load_problems, make_sampler)
+from grpo.data.__main__ import main as data_cli
 
 # --------------------------------------------------------------------------------------------
-# Named datasets in ../shared/data
+# Rows in each source's schema (made up here, in the published field layout)
+
+GSM8K_ROWS = [
+    {"question": "Mia has 3 boxes of 24 pencils and gives away 10. How many pencils are left?",
+     "answer": "She has 3 * 24 = <<3*24=72>>72 pencils.\nShe keeps 72 - 10 = <<72-10=62>>62.\n#### 62"},
+    {"question": "A farm sells 1,200 eggs a day for 30 days. How many eggs is that?",
+     "answer": "1200 * 30 = <<1200*30=36000>>36,000 eggs.\n#### 36,000"},
+    {"question": "Tom reads 15 pages a day. How many days does a 90-page book take him?",
+     "answer": "90 / 15 = <<90/15=6>>6 days.\n#### 6"},
+]
+MATH_ROWS = [  # HuggingFaceH4/MATH-500: problem, solution, answer, subject, level, unique_id
+    {"problem": "Simplify $\\frac{6}{8}$.", "solution": "Divide by 2: $\\boxed{\\frac{3}{4}}$.",
+     "answer": "\\frac{3}{4}", "subject": "Prealgebra", "level": 1, "unique_id": "test/prealgebra/1.json"},
+    {"problem": "Convert $(0,2)$ to polar coordinates.", "solution": "It is $\\boxed{\\left( 2, \\frac{\\pi}{2} \\right)}$.",
+     "answer": "\\left( 2, \\frac{\\pi}{2} \\right)", "subject": "Precalculus", "level": 2,
+     "unique_id": "test/precalculus/2.json"},
+]
+AIME_ROWS = [  # HuggingFaceH4/aime_2024: id, problem, solution, answer (a string), url, year
+    {"id": 60, "problem": "Find the remainder when $2^{10}$ is divided by $1000$.", "solution": "$1024$.",
+     "answer": "24", "url": "https://example.org/aime/1", "year": "2024"},
+    {"id": 61, "problem": "Find $7 \\cdot 11 \\cdot 13$.", "solution": "$1001$.", "answer": "1001",
+     "url": "https://example.org/aime/2", "year": "2024"},
+]
+AMC_ROWS = [  # math-ai/amc23: id, question, answer (a float), url
+    {"id": 0, "question": "Two trains 45 miles apart meet moving at 18 and 12 mph. How far does the first go?",
+     "answer": 27.0, "url": "https://example.org/amc/1"},
+    {"id": 1, "question": "What is $1/4 + 1/4$?", "answer": 0.5, "url": "https://example.org/amc/2"},
+]
+DEEPSCALER_ROWS = [  # agentica-org/DeepScaleR-Preview-Dataset: problem, answer, solution
+    {"problem": "Compute $1+2$.", "answer": "3", "solution": "It is $3$."},
+    {"problem": "Simplify $\\frac{2}{4}$.", "answer": "\\frac{1}{2}", "solution": "..."},
+    {"problem": "What is $2^{10}$?", "answer": "1024", "solution": "..."},
+]
+
+GSM8K_README = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+- config_name: socratic
+  data_files:
+  - split: train
+    path: socratic/train-*
+---
+# GSM8K
+"""
 
 
-def test_gsm8k_test_has_1319_numeric_golds():
-    problems = load_problems(DataConfig(dataset="gsm8k_test"))
-    assert len(problems) == 1319
-    for p in problems:
-        float(p.answer)  # numeric, commas stripped
-        assert "," not in p.answer and p.prompt and p.source == "gsm8k_test"
-    assert problems[0].answer == "18" and problems[0].prompt.startswith("Janet")
-    assert problems[0].id == "gsm8k_test/1"
-    assert len({p.id for p in problems}) == 1319
-    # "#### 1,450,000" in the file becomes a plain integer
-    assert "1450000" in {p.answer for p in problems}
+def _write(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
-def test_gsm8k_train_has_7473():
-    problems = load_problems(DataConfig(dataset="gsm8k_train"))
-    assert len(problems) == 7473
-    assert problems[0].answer == "72" and problems[0].prompt.startswith("Natalia")
+def hub_repositories(root: Path) -> dict[str, list]:
+    """Under root, every named set's Hub repository laid out as on the Hub (README configs, config
+    folders, Parquet shards or the single JSON/JSONL file the repository holds); name -> its rows."""
+    gsm8k = root / "openai/gsm8k"
+    (gsm8k / "README.md").parent.mkdir(parents=True, exist_ok=True)
+    (gsm8k / "README.md").write_text(GSM8K_README)
+    _write(gsm8k / "main/train-00000-of-00001.parquet", GSM8K_ROWS)
+    _write(gsm8k / "main/test-00000-of-00001.parquet", GSM8K_ROWS[:2])
+    _write(gsm8k / "socratic/train-00000-of-00001.parquet", GSM8K_ROWS[2:])
+    _write(root / "HuggingFaceH4/MATH-500/test.jsonl", MATH_ROWS)
+    _write(root / "HuggingFaceH4/aime_2024/data/train-00000-of-00001.parquet", AIME_ROWS)
+    _write(root / "math-ai/amc23/test-00000-of-00001.parquet", AMC_ROWS)
+    _write(root / "agentica-org/DeepScaleR-Preview-Dataset/deepscaler.json", DEEPSCALER_ROWS)
+    return {"gsm8k_train": GSM8K_ROWS, "gsm8k_test": GSM8K_ROWS[:2], "math500": MATH_ROWS, "aime24": AIME_ROWS,
+            "amc23": AMC_ROWS, "deepscaler": DEEPSCALER_ROWS}
 
 
-@pytest.mark.parametrize("name,count,first_answer", [
-    ("math500", 500, "\\left( 3, \\frac{\\pi}{2} \\right)"),
-    ("aime24", 30, "204"),
-    ("amc23", 40, "27"),  # stored as the float 27.0
-])
-def test_competition_sets(name, count, first_answer):
-    problems = load_problems(DataConfig(dataset=name))
-    assert len(problems) == count
-    assert problems[0].answer == first_answer
-    assert all(p.prompt and p.answer for p in problems)
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A working directory holding every named set's repository, the HF datasets cache in tmp_path,
+    and the Hub off: what `datasets` reads for a Hub id is the folder of that name."""
+    import datasets
+
+    root = tmp_path / "hub"
+    rows = hub_repositories(root)
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    return rows
 
 
-def test_data_dir_is_relative_to_repo_root_not_cwd(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert len(load_problems(DataConfig(dataset="amc23"))) == 40
+# --------------------------------------------------------------------------------------------
+# Named sets: the Hub path and fetched files give the same problems
 
 
-def test_limit_keeps_first_rows():
-    problems = load_problems(DataConfig(dataset="gsm8k_test", limit=3))
-    assert [p.answer for p in problems] == ["18", "3", "70000"]
+EXPECTED_GOLD = {"gsm8k_train": ["62", "36000", "6"], "gsm8k_test": ["62", "36000"],
+                 "math500": ["\\frac{3}{4}", "\\left( 2, \\frac{\\pi}{2} \\right)"], "aime24": ["24", "1001"],
+                 "amc23": ["27", "0.5"], "deepscaler": ["3", "\\frac{1}{2}", "1024"]}
 
 
-def test_missing_file_and_unknown_name():
+@pytest.mark.parametrize("name", list(NAMED_SETS))
+def test_named_set_from_hub_layout_equals_the_jsonl_loader(name, hub, tmp_path):
+    from_hub = load_problems(DataConfig(dataset=name))
+    assert [p.answer for p in from_hub] == EXPECTED_GOLD[name]
+    question_key = NAMED_SETS[name].question_key
+    assert [p.prompt for p in from_hub] == [r[question_key] for r in hub[name]]
+    # the same rows as the file `fetch` writes: the same problems, ids included
+    fetched = tmp_path / "fetched"
+    _write(fetched / NAMED_SETS[name].file, hub[name])
+    assert load_problems(DataConfig(dataset=name, data_dir=str(fetched))) == from_hub
+    assert from_hub[0].source == name and from_hub[0].id == f"{name}/{hub[name][0].get('id', 1)}"
+
+
+def test_hub_id_config_split_fields_and_format_as_jsonl(hub, tmp_path):
+    cfg = DataConfig(dataset="openai/gsm8k", config="main", split="train", question_key="question",
+                     answer_format="gsm8k")
+    loaded = load_problem_set(cfg)
+    assert loaded.origin == "openai/gsm8k (config main, split train)"
+    jsonl = load_problems(DataConfig(dataset=str(_write(tmp_path / "rows.jsonl", GSM8K_ROWS)), answer_format="gsm8k"))
+    assert [(p.prompt, p.answer) for p in loaded.problems] == [(p.prompt, p.answer) for p in jsonl]
+    assert [p.id for p in loaded.problems] == [f"openai/gsm8k:main:train/{i}" for i in (1, 2, 3)]
+    other = load_problems(DataConfig(dataset="openai/gsm8k", config="socratic", split="train", answer_format="gsm8k"))
+    assert [p.answer for p in other] == ["6"]
+    # MATH's worked solution: the last \\boxed{} is the answer field
+    boxed = load_problems(DataConfig(dataset="HuggingFaceH4/MATH-500", answer_key="solution", answer_format="boxed"))
+    assert [p.answer for p in boxed] == EXPECTED_GOLD["math500"]
+
+
+def test_hub_config_and_split_mistakes_name_the_key(hub):
+    with pytest.raises(DataError, match=r"^config: openai/gsm8k \(config mian, split train\): .*'main', 'socratic'"):
+        load_problems(DataConfig(dataset="openai/gsm8k", config="mian", split="train"))
+    with pytest.raises(DataError, match=r"^split: openai/gsm8k \(config main\) has splits train, test; choose one"):
+        load_problems(DataConfig(dataset="openai/gsm8k", config="main"))
+    with pytest.raises(DataError, match=r"^split: .*tset"):
+        load_problems(DataConfig(dataset="gsm8k_train", split="tset"))
+
+
+def test_a_set_that_cannot_be_had_is_one_line(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.chdir(tmp_path)  # no repository folders here, an empty cache, the Hub off
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataUnavailable) as e:
+        load_problems(DataConfig(dataset="gsm8k_train"))
+    message = str(e.value)
+    assert "\n" not in message
+    for needle in ("'gsm8k_train'", "openai/gsm8k (config main, split train)", str(tmp_path / "datasets-cache"),
+                   "HF_HUB_OFFLINE", "data_dir is not set", "python -m grpo.data fetch gsm8k_train --out DIR"):
+        assert needle in message, (needle, message)
+    with pytest.raises(DataUnavailable, match=r"'math500': .*nowhere/math500_test\.jsonl not found .*"
+                                              r"python -m grpo\.data fetch math500 --out .*nowhere"):
+        load_problems(DataConfig(dataset="math500", data_dir=str(tmp_path / "nowhere")))
+    with pytest.raises(DataUnavailable, match=r"'acme/none' cannot be had: .*HF_HUB_OFFLINE"):
+        load_problems(DataConfig(dataset="acme/none", split="train"))
+
+
+def test_fetch_writes_what_data_dir_reads(hub, tmp_path, capsys):
+    out = tmp_path / "offline"
+    assert data_cli(["fetch", "gsm8k_test", "amc23", "--out", str(out)]) == 0
+    assert "gsm8k_test: 2 rows of openai/gsm8k (config main, split test)" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["amc23_test.jsonl", "gsm8k_test.jsonl"]  # no temporary left
+    assert [json.loads(line) for line in (out / "amc23_test.jsonl").read_text().splitlines()] == AMC_ROWS  # as published
+    for name in ("gsm8k_test", "amc23"):
+        assert load_problems(DataConfig(dataset=name, data_dir=str(out))) == load_problems(DataConfig(dataset=name))
+    assert data_cli(["fetch", "gsm9k", "--out", str(out)]) == 2
+    assert "unknown named set 'gsm9k'" in capsys.readouterr().err
+
+
+def test_data_config_refuses_what_cannot_be_meant(tmp_path):
+    with pytest.raises(ValueError, match="dataset: must be one of gsm8k_train, .*a Hub dataset id"):
+        DataConfig(dataset="gsm9k")
+    with pytest.raises(ValueError, match="config: only a Hub id"):
+        DataConfig(dataset="rows.jsonl", config="main")
+    with pytest.raises(ValueError, match="split: only a Hub id"):
+        DataConfig(dataset="arithmetic", split="train")
+    with pytest.raises(ValueError, match="data_dir: only named sets"):
+        DataConfig(dataset="openai/gsm8k", data_dir=str(tmp_path))
+
+
+def test_missing_file_and_config_loader():
     with pytest.raises(FileNotFoundError, match="nowhere.jsonl"):
         load_problems(DataConfig(dataset="/nowhere.jsonl"))
-    with pytest.raises(ValueError, match="dataset: must be one of"):
-        DataConfig(dataset="gsm9k")
-
-
-def test_config_loader_builds_data_config():
     cfg = load_config(DataConfig, overrides=["dataset=gsm8k_test", "arithmetic.ops=+-", "on_bad_row=skip"])
     assert cfg.arithmetic.ops == "+-" and cfg.on_bad_row == "skip"
     with pytest.raises(ConfigError, match="arithmetic.ops"):
         load_config(DataConfig, overrides=["arithmetic.ops=/"])
+
+
+def test_docs_data_md_documents_every_key_and_named_set():
+    """docs/data.md holds a row for each data key (arithmetic's included) and each named set as the table has it."""
+    import dataclasses
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "data.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| `")]
+    keys = [f.name for f in dataclasses.fields(DataConfig) if f.name != "arithmetic"]
+    keys += [f"arithmetic.{f.name}" for f in dataclasses.fields(ArithmeticConfig)]
+    undocumented = [k for k in keys if not any(f"`{k}`" in row.split("|")[1] for row in rows)]
+    assert undocumented == [], undocumented
+    for s in NAMED_SETS.values():
+        row = next((r for r in rows if r.startswith(f"| `{s.name}` |")), None)
+        assert row is not None, f"docs/data.md has no row for {s.name}"
+        cells = [c.strip().strip("`") for c in row.split("|")[1:-1]]
+        assert cells == [s.name, s.hub_id, s.config or "(default)", s.split, str(s.rows), s.question_key,
+                         s.answer_key, s.answer_format, s.file], cells
+
+
+# --------------------------------------------------------------------------------------------
+# The full real sets: from $GRPO_TEST_DATA_DIR (CI: our local copy), else skipped
+
+FULL_DATA = os.environ.get("GRPO_TEST_DATA_DIR")
+
+
+def full_set(name: str) -> list[Problem]:
+    if not FULL_DATA:
+        pytest.skip("full-size check: set GRPO_TEST_DATA_DIR to a folder written by `python -m grpo.data fetch "
+                    f"{name} --out DIR` to run it")
+    if not (Path(FULL_DATA) / NAMED_SETS[name].file).is_file():
+        pytest.skip(f"full-size check: {NAMED_SETS[name].file} is not in GRPO_TEST_DATA_DIR={FULL_DATA}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the real files have no malformed row
+        return load_problems(DataConfig(dataset=name, data_dir=FULL_DATA))
+
+
+@pytest.mark.parametrize("name", list(NAMED_SETS))
+def test_full_named_set_has_its_published_rows(name):
+    problems = full_set(name)
+    assert len(problems) == NAMED_SETS[name].rows
+    assert len({p.id for p in problems}) == len(problems)
+    assert all(p.prompt and p.answer and p.source == name for p in problems)
+    if name.startswith("gsm8k"):
+        for p in problems:
+            float(p.answer)  # numeric, thousands commas removed
+            assert "," not in p.answer
+
+
+def test_full_gsm8k_first_rows():
+    test, train = full_set("gsm8k_test"), full_set("gsm8k_train")
+    assert test[0].answer == "18" and test[0].prompt.startswith("Janet") and test[0].id == "gsm8k_test/1"
+    assert "1450000" in {p.answer for p in test}  # "#### 1,450,000" in the file
+    assert train[0].answer == "72" and train[0].prompt.startswith("Natalia")
+
+
+def test_full_math500_every_answer_parses():
+    from math_verify import parse
+
+    from grpo.rewards import gold_to_latex
+
+    problems = full_set("math500")
+    unparsed = [(p.id, p.answer) for p in problems if not parse(gold_to_latex(p.answer))]
+    assert unparsed == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,13 +349,6 @@ def test_json_and_parquet_bad_rows_name_the_row(tmp_path):
 
 # --------------------------------------------------------------------------------------------
 # DeepScaleR-style rows (problem / answer / solution) in three formats
-
-DEEPSCALER_ROWS = [
-    {"problem": "Compute $1+2$.", "answer": "3", "solution": "It is $3$."},
-    {"problem": "Simplify $\\frac{2}{4}$.", "answer": "\\frac{1}{2}", "solution": "..."},
-    {"problem": "What is $2^{10}$?", "answer": "1024", "solution": "..."},
-]
-
 
 def test_deepscaler_rows_in_jsonl_json_parquet(tmp_path):
     _write_lines(tmp_path / "ds.jsonl", [json.dumps(r) for r in DEEPSCALER_ROWS])
@@ -278,8 +479,8 @@ def test_build_prompt_without_template_warns_and_uses_plain_format():
     tokenizer = _tiny_tokenizer(with_template=False)
     cfg = DataConfig(system_prompt="S.", instruction="I.")
     problem = Problem(id="t/1", prompt="Q?", answer="1", source="t")
-    import grpo.data as data_module
-    data_module._warned_no_template = False
+    import grpo.data.prompts as prompts_module
+    prompts_module._warned_no_template = False
     with pytest.warns(UserWarning, match="no chat template"):
         text = build_prompt(tokenizer, problem, cfg)
     assert text == "S.\nQ?\nI.\nassistant:"
@@ -341,12 +542,13 @@ def test_cursor_save_restore_continues_identically(source):
         other.load_state_dict(state)
 
 
-def test_make_sampler_for_files_and_arithmetic():
-    sampler = make_sampler(DataConfig(dataset="amc23"), batch_size=4, seed=0)
-    assert len(sampler.next_batch()) == 4 and sampler.n_problems == 40
+def test_make_sampler_for_files_and_arithmetic(tmp_path):
+    path = _write(tmp_path / "ds.jsonl", DEEPSCALER_ROWS)
+    sampler = make_sampler(DataConfig(dataset=str(path)), batch_size=2, seed=0)
+    assert len(sampler.next_batch()) == 2 and sampler.n_problems == 3
     arith = make_sampler(DataConfig(dataset="arithmetic"), batch_size=4)
     batch = arith.next_batch()
     assert all(p.source == "arithmetic" and p.id.startswith("arithmetic-train/") for p in batch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a clean file gives no skip warning
-        load_problem_set(DataConfig(dataset="aime24"))
+        load_problem_set(DataConfig(dataset=str(path)))

@@ -12,15 +12,16 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from grpo.cpu import CPUConfig
-from grpo.serving.client import InferenceClient, InferenceServerError, ServerUnavailableError
 from grpo.fsutil import hash_file
-from grpo.serving.inference import InferenceServer, ServerConfig
 from grpo.models import load_model, load_tokenizer
+from grpo.serving.client import InferenceClient, InferenceServerError, ServerUnavailableError
+from grpo.serving.inference import InferenceServer, ServerConfig
 from grpo.serving.supervisor import group_alive
 from grpo.serving.weights_writer import write_weights
 from tiny_models import make_tiny_model_dir
@@ -246,6 +247,58 @@ def test_score_refuses_bad_sequences_naming_the_index(server, tiny):
 
 
 @pytest.mark.vllm
+def test_a_score_request_over_the_bound_is_refused_before_any_work(server, tiny):
+    """One /grpo/score request makes the engine run a request per completion token: 100,000 of
+    them kept it busy until a restart. Beyond SCORE_MAX_TOKENS: 413 naming the bound, at once."""
+    from grpo.serving.client import SCORE_MAX_TOKENS
+
+    per = 200
+    sequences = [(tiny["prompt_ids"][0], [7 + t % 50 for t in range(per)])] * (SCORE_MAX_TOKENS // per + 1)
+    t0 = time.monotonic()
+    with pytest.raises(InferenceServerError) as e:
+        server.client.request("POST", "/grpo/score", timeout=30, retry=False, json_body={
+            "sequences": [{"prompt_token_ids": p, "completion_token_ids": c} for p, c in sequences],
+            "temperature": 1.0})
+    assert e.value.status == 413 and time.monotonic() - t0 < 10
+    assert f"score request of {len(sequences) * per} completion tokens is larger than the server takes " \
+           f"({SCORE_MAX_TOKENS} per request" in str(e.value)
+
+
+@pytest.mark.vllm
+def test_a_score_whose_client_hung_up_stops_and_lets_the_next_push_through(server, tiny):
+    """A request holds the read side of the version gate while it runs, so a push waits for it.
+    A client that hangs up no longer holds it: its engine requests are aborted within a poll
+    (DISCONNECT_POLL_S), and the push goes through. Before, a 45 s request abandoned after 3 s
+    delayed the next push by 44 s."""
+    from grpo.serving.client import SCORE_MAX_TOKENS
+
+    version = _push_next(server, _perturbed(tiny["hf"], seed=23))
+    prompt = tiny["prompt_ids"][0]
+    sequences = 6  # of 100 tokens: some seconds on a CPU; more where the engine is faster
+    while True:
+        body = {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
+                                                                                   for t in range(100)]}
+                              for j in range(sequences)], "temperature": 1.0}
+        t0 = time.monotonic()
+        server.client.request("POST", "/grpo/score", json_body=body)
+        whole = time.monotonic() - t0  # what the request takes when its client waits
+        if whole > 4 or sequences == SCORE_MAX_TOKENS // 100:
+            break
+        sequences = min(int(sequences * 5 / whole) + 1, SCORE_MAX_TOKENS // 100)
+    assert whole > 4, f"{sequences * 100} positions take {whole:.1f} s: too short to tell a stopped request from a done one"
+    with pytest.raises(ServerUnavailableError, match="no answer within"):
+        server.client.request("POST", "/grpo/score", json_body=body, timeout=1.0, retry=False)  # hangs up after 1 s
+    t1 = time.monotonic()
+    assert server.push(_perturbed(tiny["hf"], seed=24), version + 1, step=1)["version"] == version + 1
+    waited = time.monotonic() - t1
+    print(f"score of {sequences * 100} positions: {whole:.2f} s; a push after hanging up on it at 1 s: {waited:.2f} s")
+    assert waited < whole / 2, f"the push waited {waited:.1f} s behind an abandoned request of {whole:.1f} s"
+    t2 = time.monotonic()  # and the engine is free: a small request is answered at once
+    assert len(server.score([(prompt, [7, 8, 9])], temperature=1.0).logprobs[0]) == 3
+    assert time.monotonic() - t2 < whole / 2
+
+
+@pytest.mark.vllm
 def test_seeded_batches_repeat_exactly(server, tiny):
     """A seeded batch depends only on (weights, prompts, seed), whatever ran before it."""
     def sample(seed):
@@ -447,6 +500,11 @@ def test_generation_waits_during_a_push(server, tiny):
 
 
 @pytest.mark.vllm
+def test_health_reports_the_lm_head_dtype_the_engine_runs(server):
+    assert server.client.request("GET", "/grpo/health")["head_dtype"] == "float32"
+
+
+@pytest.mark.vllm
 def test_a_refused_request_is_not_a_death(server, tiny):
     """A 4xx answer is raised as it is: no restart, no re-push (the same process keeps serving)."""
     pid, version = server.pid, server.weights_version()
@@ -628,6 +686,32 @@ def test_vllm_chooses_the_executor_on_gpu_and_a_cpu_engine_gets_the_in_process_o
     assert gpu.worker_extension_cls == "grpo.serving.worker_ext.GRPOWorkerExtension"
     cpu = vllm_args(parse_args(base), 8000, on_cpu=True)
     assert cpu.distributed_executor_backend == EXECUTOR and cpu.tensor_parallel_size == 1
+
+
+def test_the_launched_server_runs_its_lm_head_in_fp32_by_default(tmp_path):
+    """The trainer's logits are fp32; vLLM computes a generation model's in the model's dtype unless
+    hf_overrides says head_dtype. The launched server's command carries --head-dtype float32 by
+    default (server.head_dtype: model for the serving dtype), the server hands it to vLLM, and vLLM's
+    model config resolves it for a bf16 engine: fp32 by default, bf16 when asked."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from grpo.serving.inference import _REPO_ROOT, server_command
+    from grpo.serving.server import parse_args, vllm_args
+
+    model_dir = make_tiny_model_dir(tmp_path / "model", arch="qwen2", dtype=torch.bfloat16)
+    heads = {}
+    for cfg in (ServerConfig(), ServerConfig(head_dtype="model")):
+        cmd = server_command(cfg, model_dir, tmp_path / "w", tmp_path / "server", torch.bfloat16, 0.85)
+        assert cmd[1:3] == ["-m", "grpo.serving.server"]
+        assert cmd[cmd.index("--head-dtype") + 1] == cfg.head_dtype
+        args = vllm_args(parse_args(cmd[3:] + ["--port", "0"]), 8000, on_cpu=True)
+        assert args.hf_overrides == {"head_dtype": cfg.head_dtype}
+        heads[cfg.head_dtype] = AsyncEngineArgs.from_cli_args(args).create_model_config().head_dtype
+    assert heads == {"float32": torch.float32, "model": torch.bfloat16}
+    with pytest.raises(ValueError, match="head_dtype: must be one of"):
+        ServerConfig(head_dtype="float16")
+    # the child imports grpo from the checkout, wherever the trainer was started
+    assert (Path(_REPO_ROOT) / "grpo" / "serving" / "server.py").is_file()
 
 
 def test_config_validation():
@@ -822,6 +906,32 @@ def test_a_request_survives_deaths_one_after_another_and_one_while_the_server_st
     assert result.weights_version == version and [len(c) for c in result.completions] == [128, 128]
     err = capfd.readouterr().err
     assert err.count("inference server failed") == 3 and "exited with code -9 during start-up" in err
+
+
+@pytest.mark.vllm
+def test_a_push_that_finds_the_disk_full_leaves_the_old_version_serving(server, tiny, tmp_path):
+    """The trainer's side of a push (bytes mode: written in its run directory first) on a full disk
+    (a small tmpfs, tests/test_full_disk.py): NoSpaceError naming the directory and the bytes it
+    needed; the server serves and generates the version before; freed, the same push lands."""
+    from grpo.fsutil import NoSpaceError
+    from test_full_disk import SmallDisk
+
+    disk = SmallDisk(tmp_path / "small")
+    run_dir = disk.mount(1 << 20)  # the tiny model's push is 1.6 MB in fp32
+    try:
+        version = _push_next(server, _perturbed(tiny["hf"], seed=21))
+        before = _greedy(server.client, tiny["prompt_ids"])
+        trainer = InferenceServer(dataclasses.replace(server.cfg, url=server.url, push_mode="bytes"), server.client,
+                                  tiny["model_dir"], run_dir, weights_root=None)
+        sd = _perturbed(tiny["hf"], seed=22)
+        with pytest.raises(NoSpaceError, match=f"^{run_dir}/weights/weights-v{version + 1:08d}: no space left on "
+                                               f"device: the write needs 1.6 MiB, "):
+            trainer.push(sd, version + 1, step=1)
+        assert server.weights_version() == version and _greedy(server.client, tiny["prompt_ids"]) == before
+        disk.remount(8 << 20)
+        assert trainer.push(sd, version + 1, step=1)["version"] == version + 1 == server.weights_version()
+    finally:
+        disk.unmount()
 
 
 @pytest.mark.vllm

@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -41,8 +42,9 @@ from grpo.serving.weights_dir import prune_weights
 from grpo.serving.weights_writer import write_weights
 
 TOKEN_ENV = "GRPO_SERVER_TOKEN"
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout: the launched child imports grpo from here
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+HEAD_DTYPES = ("float32", "model")
 
 
 @dataclass
@@ -70,6 +72,8 @@ class ServerConfig:
     seed: int = 0  # engine seed (set once; per-request seeds kill the CPU engine)
     trust_remote_code: bool = False  # let the model directory run its own Python code
     enforce_eager: bool = False  # no CUDA graphs / compilation: faster start, slower decoding
+    head_dtype: Literal["float32", "model"] = "float32"  # the engine's LM head: fp32 logits as the trainer's (alpha's
+    #                                                  log-probs in every ratio); "model": the serving dtype, faster
 
     def __post_init__(self) -> None:
         if self.url is not None and urllib.parse.urlparse(self.url).scheme not in ("http", "https"):
@@ -94,6 +98,8 @@ class ServerConfig:
             raise ValueError(f"max_model_len: must be >= 16, got {self.max_model_len}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"head_dtype: must be one of {list(HEAD_DTYPES)}, got {self.head_dtype!r}")
 
 
 def check_context_fits(cfg: ServerConfig, longest_prompt: int, budgets: dict[str, int]) -> None:
@@ -128,11 +134,51 @@ def serving_dtype(cfg: ServerConfig, model_dir: str | os.PathLike, on_cpu: bool 
     return dtype
 
 
+# grpo-weights-<run>-p<owner pid>s<its start time>-<mkdtemp's 8 random characters>
+_ROOT_NAME = re.compile(r"^grpo-weights-.+-p(\d+)s(\d+)-[a-z0-9_]{8}$")
+
+
+def _started(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks after boot; 0 where /proc does not say), None if there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc here: the pid alone says whether it runs
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name's ")"
+
+
 def _private_root(parent: Path, name: str) -> Path:
     """A fresh directory only this user can read, with an unpredictable name: another local user
-    can neither plant weights in it nor swap it for a symlink before the server loads from it."""
+    can neither plant weights in it nor swap it for a symlink before the server loads from it.
+    Its name holds its owner (this process and when it started): the roots of owners that are gone
+    (a SIGKILLed run: gigabytes of RAM each in /dev/shm) are reclaimed here, before a new one is made."""
     parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f"grpo-weights-{name}-", dir=parent))
+    reclaim_roots(parent)
+    return Path(tempfile.mkdtemp(prefix=f"grpo-weights-{name}-p{os.getpid()}s{_started(os.getpid()) or 0}-",
+                                 dir=parent))
+
+
+def reclaim_roots(parent: Path) -> list[Path]:
+    """Remove the weights roots under `parent` whose owner process is gone (not running, or its pid
+    now another process's); only this user's own directories, never a link. Returns them."""
+    gone = []
+    for p in parent.iterdir():
+        match = _ROOT_NAME.match(p.name)
+        if match is None or p.is_symlink() or not p.is_dir() or p.lstat().st_uid != os.getuid():
+            continue
+        started = _started(int(match[1]))
+        if started is None or started not in (0, int(match[2])):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
 
 
 def _default_parent(run_dir: Path, need_bytes: int, keep_last: int) -> Path:
@@ -142,6 +188,22 @@ def _default_parent(run_dir: Path, need_bytes: int, keep_last: int) -> Path:
     if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > need_bytes * (keep_last + 2) + (1 << 30):
         return shm
     return run_dir
+
+
+def server_command(cfg: ServerConfig, model_dir: Path, root: Path, server_dir: Path, dtype: torch.dtype,
+                   memory_fraction: float) -> list[str]:
+    """The launched server's command line (each start adds --port; a CPU engine its own flags): the
+    served model at `dtype`, its LM head at server.head_dtype, the private weights root and token file."""
+    cmd = [sys.executable, "-m", "grpo.serving.server", "--model", str(model_dir), "--weights-root", str(root),
+           "--token-file", str(server_dir / "token"), "--port-file", str(server_dir / "port"), "--host", cfg.host,
+           "--dtype", str(dtype).removeprefix("torch."), "--head-dtype", cfg.head_dtype,
+           "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
+           "--gpu-memory-utilization", str(memory_fraction), "--keep-last", str(cfg.keep_last),
+           "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+           "--parent-pid", str(os.getpid()), "--upload-timeout-s", str(cfg.upload_timeout_s)]
+    cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
+    cmd += ["--enforce-eager"] if cfg.enforce_eager else []
+    return cmd
 
 
 class WeightsMismatchError(InferenceServerError):
@@ -204,15 +266,7 @@ class InferenceServer:
         os.close(fd)
         fraction = gpu_memory_utilization or cfg.gpu_memory_utilization or 0.85
         dtype = serving_dtype(cfg, model_dir, on_cpu=gpu is None)
-        cmd = [sys.executable, "-m", "grpo.serving.server", "--model", str(model_dir), "--weights-root", str(root),
-               "--token-file", str(token_file), "--port-file", str(server_dir / "port"), "--host", cfg.host,
-               "--dtype", str(dtype).removeprefix("torch."),
-               "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
-               "--gpu-memory-utilization", str(fraction), "--keep-last", str(cfg.keep_last),
-               "--tensor-parallel-size", str(cfg.tensor_parallel_size),
-               "--parent-pid", str(os.getpid()), "--upload-timeout-s", str(cfg.upload_timeout_s)]
-        cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
-        cmd += ["--enforce-eager"] if cfg.enforce_eager else []
+        cmd = server_command(cfg, model_dir, root, server_dir, dtype, fraction)
         env = dict(os.environ)
         env.pop(TOKEN_ENV, None)
         env["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])

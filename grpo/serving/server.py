@@ -9,7 +9,10 @@ two middlewares (grpo/serving/gate.py) added.
 Log-probs: the engine runs with logprobs_mode="processed_logprobs", so each sampled token's
 log-prob is taken from the distribution it was actually sampled from (logits / temperature,
 then top-k/top-p renormalised): log alpha(o_t | q, o_<t) of the objective. With temperature 0
-(greedy) it is the plain log-softmax of the logits.
+(greedy) it is the plain log-softmax of the logits. The LM head runs in fp32 (`--head-dtype`,
+vLLM's hf_overrides head_dtype, ModelConfig.head_dtype): the trainer's logits are fp32, and a bf16
+logit's rounding (0.125 at |z| ~ 16-32) becomes ~0.6 nat after the paper's T = 0.1. On a GPU vLLM
+accumulates the head's GEMM in fp32 (torch.mm with out_dtype); on a CPU it multiplies fp32 copies.
 
 Security: binds 127.0.0.1 unless told otherwise; every route except the two open GETs and
 vLLM's /health needs `Authorization: Bearer <token>` (the token comes from a 0600 file or the
@@ -26,6 +29,7 @@ by fork or by spawn, whichever executor vLLM picks, dies with this server (`engi
 """
 import argparse
 import asyncio
+import json
 import os
 import stat
 import sys
@@ -86,6 +90,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="0 = any free port (written to --port-file)")
     p.add_argument("--port-file", help="the bound port is written here once the socket is bound")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--head-dtype", choices=["float32", "model"], default="float32",
+                   help="the LM head's dtype: float32 logits as the trainer computes them, or the model's dtype")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds kill the CPU engine)")
@@ -129,7 +135,8 @@ def vllm_args(ns: argparse.Namespace, port: int, on_cpu: bool) -> argparse.Names
     argv = ["--model", ns.model, "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
             "--seed", str(ns.seed), "--gpu-memory-utilization", str(ns.gpu_memory_utilization),
             "--tensor-parallel-size", str(ns.tensor_parallel_size),
-            "--logprobs-mode", "processed_logprobs", "--host", ns.host, "--port", str(port),
+            "--logprobs-mode", "processed_logprobs", "--hf-overrides", json.dumps({"head_dtype": ns.head_dtype}),
+            "--host", ns.host, "--port", str(port),
             "--worker-extension-cls", "grpo.serving.worker_ext.GRPOWorkerExtension",
             "--disable-uvicorn-access-log"]
     if ns.served_model_name:
@@ -204,7 +211,7 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
         print(f"[grpo.server] engine worker heap frozen ({heap['frozen']} objects): a full garbage collection "
               f"took {heap['full_collection_s']:.3f} s, now {heap['full_collection_frozen_s']:.3f} s", flush=True)
         control = await EngineControl.start(engine, on_cpu, ns.cpu_sampler)  # the CPU fence's hook (GPU: nothing)
-        print(f"[grpo.server] sampler: {control.sampler}", flush=True)
+        print(f"[grpo.server] sampler: {control.sampler}; LM head in {engine.model_config.head_dtype}", flush=True)
         state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last,
                              dtype=serving_dtype_name(engine.model_config.dtype), control=control)
         routes = Routes(state, engine.model_config.get_vocab_size(), engine.model_config.max_model_len,
