@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from grpo.models import load_tokenizer
 from grpo.parallel import RankWatchdog, _start_time, _this_process
-from grpo.recording import record_batch
+from grpo.recording import model_and_tokenizer, record_batch
 from grpo.rollout import Rollout, Sample
 from tiny_models import make_tiny_model_dir
 
@@ -117,6 +117,7 @@ def recorded(tmp_path_factory):
     model_dir = make_tiny_model_dir(base / "model", arch="qwen2")
     tok = load_tokenizer(model_dir)
     rng = random.Random(0)
+    made_with = model_and_tokenizer(model_dir, tok)  # what a replay checks the recording against
     for k in range(4):
         samples = []
         for group, prompt in enumerate([f"What is {k} + 1?", f"What is {k} + 2?"]):
@@ -127,7 +128,7 @@ def recorded(tmp_path_factory):
                                       completion_ids=[rng.randrange(3, len(tok)) for _ in range(n)],
                                       logp_alpha=[rng.uniform(-6.0, -0.1) for _ in range(n)], truncated=False,
                                       reward=float(j % 3 == 0), correct=float(j % 3 == 0)))
-        record_batch(base / "recorded", 0, k, 1000 + k, Rollout(samples, {}))
+        record_batch(base / "recorded", 0, k, 1000 + k, Rollout(samples, {}), made_with)
     return base, model_dir
 
 
