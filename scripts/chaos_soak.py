@@ -42,6 +42,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -322,6 +323,10 @@ class Soak:
         self.args = args
         self.rng = random.Random(args.seed)
         self.out = Path(args.out).resolve()
+        # each run's TMPDIR, checked at the end: under the system's temporary directory, not under --out,
+        # whose path can be long (pytest's): vLLM's ZMQ sockets live there, and a Unix socket's path has
+        # at most 107 bytes (the engine failed to start under tests/test_chaos.py's tmp_path)
+        self.tmp = Path(tempfile.mkdtemp(prefix="grpo-soak-"))
         self.stages, self.iterations = STEPS[args.mode] if args.steps is None else args.steps
         self.faults: list[Fault] = []
         self.problems: list[str] = []  # what did not hold: differences, leftovers, bounds
@@ -331,7 +336,7 @@ class Soak:
 
     # -- runs
     def env(self, name: str) -> dict:
-        tmp = self.out / "tmp" / name  # every temporary file the run makes goes here, to be checked at the end
+        tmp = self.tmp / name  # every temporary file the run makes goes here, to be checked at the end
         tmp.mkdir(parents=True, exist_ok=True)
         return {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0", "WANDB_MODE": "offline",
                 "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
@@ -580,8 +585,10 @@ class Soak:
 
     def leftovers(self) -> None:
         """No process of any attempt, no temporary file or directory, no weights root in /dev/shm."""
+        # its own ancestors (a shell, `timeout`, pytest) may carry --out in their command lines too
+        ancestors = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
         mine = [p for p in psutil.process_iter(["cmdline"]) if str(self.out) in " ".join(p.info["cmdline"] or [])
-                and p.pid != os.getpid()]
+                and p.pid not in ancestors]
         for p in mine:
             self.problems.append(f"a process of the soak is still running: pid {p.pid} {' '.join(p.cmdline())[:160]}")
         chaos = self.out / "runs" / self.run_name("chaos")
@@ -590,8 +597,8 @@ class Soak:
                 self.problems.append(f"a temporary file or directory is left in the run: {p.relative_to(chaos)}")
         # the libraries leave some files in TMPDIR after every run, faults or not (torchrun's log
         # directory, vLLM's IPC sockets and process-group file, inductor's cache): only other kinds count
-        baseline = temp_kinds(self.out / "tmp" / self.run_name("reference"))
-        for kind, names in sorted(temp_kinds(self.out / "tmp" / self.run_name("chaos")).items()):
+        baseline = temp_kinds(self.tmp / self.run_name("reference"))
+        for kind, names in sorted(temp_kinds(self.tmp / self.run_name("chaos")).items()):
             if kind not in baseline:
                 self.problems.append(f"left in the run's TMPDIR, unlike the uninterrupted run's: {names[:5]}")
         self.baseline_temp = sorted(baseline)
@@ -657,6 +664,7 @@ class Soak:
                    "cpu_s": round(usage.ru_utime + usage.ru_stime), "ok": not self.problems,
                    "problems": self.problems, "fault_log": [asdict(f) for f in self.faults]}
         (self.out / "soak.json").write_text(json.dumps(summary, indent=1) + "\n")
+        shutil.rmtree(self.tmp, ignore_errors=True)  # looked at above
         print(json.dumps({k: v for k, v in summary.items() if k != "fault_log"}))
         return 0 if not self.problems else 1
 

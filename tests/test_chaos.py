@@ -27,7 +27,9 @@ def test_the_short_soak_ends_as_the_uninterrupted_run(tmp_path):
     step once; no process, temporary file or weights root is left."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos_soak.py"), "--mode", "short", "--seed", "0",
                            "--out", str(tmp_path / "soak")], cwd=ROOT, capture_output=True, text=True, timeout=3600)
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-6000:]  # it ended before its report
+    summary = json.loads(lines[-1])
     assert proc.returncode == 0 and summary["ok"], proc.stdout[-6000:]
     log = json.loads((tmp_path / "soak" / "soak.json").read_text())["fault_log"]
     assert [(f["kind"], f["moment"]) for f in log] == list(chaos_soak.SHORT_PLAN), log
