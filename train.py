@@ -48,9 +48,10 @@ from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_mode
 from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, logged_stats,
                             merge_stats, token_weights)
 from grpo.optim import build_optimizer, build_scheduler
-from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
-                           device_memory_bytes, gather_full_state_dict, gradient_sync_plan, init_distributed,
-                           launch_env, on_main_rank, shard_model)
+from grpo.parallel import (EXIT_LOST_RANK, DistInfo, all_reduce_max, all_reduce_sum, broadcast_json,
+                           close_distributed, device_memory_bytes, gather_full_state_dict, gradient_sync_plan,
+                           init_distributed, launch_env, lost_rank, on_lost_rank, on_main_rank, shard_model,
+                           stop_watchdog)
 from grpo.policy import ObjectiveInputs, Policy, copy_policy
 from grpo.progress import Progress
 from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
@@ -152,10 +153,11 @@ class Run:
     instruments: OffPolicyInstruments  # staleness split, parity probe, recording (grpo/instruments.py)
 
     def close(self) -> None:
-        self.sample_ahead.close()
-        self.logger.close()
-        if self.server is not None:
+        stop_watchdog()  # ranks that end with this one are not lost
+        if self.server is not None:  # first: the launcher kills a rank that takes long to end (torchrun: 30 s)
             self.server.stop()
+        self.sample_ahead.close()  # a batch sampled ahead fails at once with the server stopped
+        self.logger.close()
         if self.scorer is not None:
             self.scorer.close()
         # The sharded models hold the process group: release them so that it is freed here.
@@ -172,7 +174,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
                          rank=env.rank, local_rank=env.local_rank, local_world_size=env.local_world_size,
                          node_rank=env.node_rank, memory_fraction=cfg.server.gpu_memory_utilization,
                          server_gpus=cfg.server.tensor_parallel_size)
-    info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s)
+    info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s, cfg.parallel.heartbeat_timeout_s)
     cfg.log.run_name = shared_run_name(cfg)
     preflight.check_batch_split(cfg.grpo.batch_prompts, info.world_size)
     torch.manual_seed(cfg.seed + info.rank)
@@ -225,12 +227,15 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     if room:  # a save writes the new checkpoint before it prunes the oldest
         print(f"[train] warning: {room}", file=sys.stderr)
     progress = Progress()
-    if not resume:
+    latest = run.checkpointer.latest() if resume else None
+    if resume and latest is None:  # stopped before its first checkpoint: the run starts again, its rows dropped
+        if info.is_main:
+            print(f"[train] --resume: no complete checkpoint under {run.checkpointer.dir}; starting from step 0",
+                  file=sys.stderr)
+        run.logger.truncate_after(0)
+    if latest is None:
         run.instruments.start()
-    if resume:
-        latest = run.checkpointer.latest()
-        if latest is None:
-            raise SystemExit(f"--resume: no complete checkpoint under {run.checkpointer.dir}")
+    else:
         saved = run.checkpointer.load(latest, policy, optimizer, ref_policy, push_model=pushed_policy)
         # saved inside a v-window with its copy of the pushed weights (else the next push makes one); the run's probe
         run.instruments.resumed(Checkpointer.holds_push_model(latest))
@@ -246,6 +251,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         run.server = run.instruments.server = InferenceServer.launch(
             cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
             gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
+        on_lost_rank(run.server.stop)  # a rank ending for a lost peer leaves no server behind
     # the CPU fence's one hook (nothing off CPU): malloc, the LM head's GEMMs, cores shared with the engine
     tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy, pushed_policy], run.sample_ahead, run.server)
     if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir and not cfg.replay:
@@ -620,6 +626,8 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, ModelPathError, LayoutError, ReplayError) as e:  # bad input: one line, exit 2
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        return stopped_by_lost_rank(e)
     try:
         bar = run.logger.progress(cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, initial=progress.step)
         for stage in range(progress.stage, cfg.grpo.S):
@@ -669,8 +677,20 @@ def main(argv=None) -> int:
             then = "; free space there, then --resume" if isinstance(e, NoSpaceError) else ""
             print(f"[train] error: {e}{then}", file=sys.stderr)
         return 1
+    except Exception as e:
+        return stopped_by_lost_rank(e)
     finally:
         run.close()
+
+
+def stopped_by_lost_rank(error: Exception) -> int:
+    """A collective failed because another rank is gone: one line naming it (grpo.parallel.RankWatchdog)
+    instead of a traceback, and EXIT_LOST_RANK. Any other error is raised as it is."""
+    line = lost_rank(error)
+    if line is None:
+        raise error
+    print(line, file=sys.stderr)
+    return EXIT_LOST_RANK
 
 
 if __name__ == "__main__":

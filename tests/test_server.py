@@ -532,6 +532,42 @@ def test_killed_server_gives_clear_error_and_generate_restarts_it(server, tiny):
     assert server.pid != old_pid and server.is_alive() and server.weights_version() == version
 
 
+@pytest.mark.vllm
+def test_a_server_whose_engine_dies_while_it_starts_exits_at_once(tiny, tmp_path):
+    """The vLLM engine-core process SIGKILLed after the engine came up and before the HTTP server
+    started (tests/serving_starts_late.py holds that window open 20 s): the server exits within
+    seconds, with its own code and line, so its supervisor starts it again. Before, vLLM's own
+    shutdown on engine death covered only a running HTTP server: this one went on to serve, answering
+    503 "engine is dead", and the trainer waited for its health until server.startup_timeout_s (the
+    chaos soak's resumed run, its engine killed as its server came up, hung there)."""
+    import psutil
+
+    from grpo.serving.server import ENGINE_DIED_EXIT, TOKEN_ENV
+
+    up = tmp_path / "engine_up"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the engine's processes import grpo
+    cmd = [sys.executable, os.path.join(root, "tests", "serving_starts_late.py"), "--model", str(tiny["model_dir"]),
+           "--weights-root", str(tmp_path / "weights"), "--port-file", str(tmp_path / "port"), "--dtype", "float32",
+           "--max-model-len", "256", "--enforce-eager"]
+    env = {**os.environ, TOKEN_ENV: "t" * 32, "ENGINE_UP_FILE": str(up), "PYTHONPATH": root}
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not up.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert up.is_file(), (tmp_path / "server.log").read_text()[-3000:]
+        engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "VLLM::EngineCore"]
+        assert len(engines) == 1, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+        engines[0].kill()
+        code = proc.wait(timeout=15)  # before: still running, its HTTP server about to answer 503s
+    finally:
+        if group_alive(proc.pid):  # whatever happened, no server left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == ENGINE_DIED_EXIT
+    assert "[grpo.server] the vLLM engine died: exiting" in (tmp_path / "server.log").read_text()
+
+
 @pytest.mark.torchrun  # starts a real server process (killed at its start-up time-out)
 def test_startup_timeout_shows_log_tail(tmp_path):
     model_dir = make_tiny_model_dir(tmp_path / "model", seed=0)
@@ -837,6 +873,42 @@ def test_server_killed_before_a_push_is_restarted_by_the_push(server, tiny):
 
 
 @pytest.mark.vllm
+def test_a_request_survives_deaths_one_after_another_and_one_while_the_server_starts(server, tiny, capfd):
+    """Deaths close together, as the chaos soak (scripts/chaos_soak.py) threw them at a resumed run:
+    the server killed 0.5 s into a long request; its restart killed as soon as it has bound its port,
+    before its engine starts (a start is tried twice); the next one killed 0.5 s after it answers
+    again (re-serving the last push or in the retried request). The request still answers, from the
+    weights last pushed. Before, a request survived one death and a death during a start none (the
+    resumed run died with "exited with code -9 during start-up")."""
+    version = _push_next(server, _perturbed(tiny["hf"], seed=9))
+    port_file = server._process.server_dir / "port"
+    killed = []
+
+    def kill(pid):
+        killed.append(pid)
+        os.kill(pid, signal.SIGKILL)
+
+    def kill_three():
+        time.sleep(0.5)
+        kill(server.pid)  # 1: in the request
+        for ready, then_s in ((port_file.is_file, 0.0), (server.client.health, 0.5)):  # 2: starting, 3: answering
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not (server.pid not in killed and ready()):
+                time.sleep(0.02)
+            time.sleep(then_s)
+            kill(server.pid)
+
+    killer = threading.Thread(target=kill_three, daemon=True)
+    killer.start()
+    result = server.generate(tiny["prompt_ids"], n=128, max_tokens=200, temperature=1.0, seed=3)  # seconds of work
+    killer.join()
+    assert len(killed) == 3 and server.pid not in killed and server.is_alive()
+    assert result.weights_version == version and [len(c) for c in result.completions] == [128, 128]
+    err = capfd.readouterr().err
+    assert err.count("inference server failed") == 3 and "exited with code -9 during start-up" in err
+
+
+@pytest.mark.vllm
 def test_a_push_that_finds_the_disk_full_leaves_the_old_version_serving(server, tiny, tmp_path):
     """The trainer's side of a push (bytes mode: written in its run directory first) on a full disk
     (a small tmpfs, tests/test_full_disk.py): NoSpaceError naming the directory and the bytes it
@@ -1024,3 +1096,8 @@ def test_stop_leaves_no_process(server):
     assert not group_alive(pgid)
     assert not (server.run_dir / "server" / "token").exists()
     assert not root.exists()  # the private weights root goes with it
+    # a request after the stop (a batch still sampled ahead as the run ends) fails and starts nothing:
+    # before, it restarted the server inside the closing run
+    with pytest.raises(ServerUnavailableError):
+        server.generate([[1, 2, 3]], n=1, max_tokens=4, temperature=1.0)
+    assert not group_alive(server.pid) and server.pid == pgid

@@ -10,7 +10,9 @@ The object owns both things the loop asks of the server: a push is write (weight
 hashed with server.weights_hash) -> load -> check the engine's fingerprint -> prune in one call, and generation survives a
 dead server: a launched child that died is restarted, the weights it served re-pushed (none
 before the first push: a fresh server serves the model directory as version 0, which is what it
-served), and the request retried. A request the server refuses (4xx) is raised as it is.
+served), and the request retried (through RESTARTS deaths); a child that dies while it starts is
+started once more. A request the server refuses (4xx) is raised as it is, and a stopped server is
+never started again.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from grpo.cpu.bf16 import multiplies_bf16
 from grpo.serving.client import (GenerationResult, InferenceClient, InferenceServerError, ScoreResult,
                                  ServerUnavailableError)
 from grpo.serving.fingerprint import fingerprint_mismatches, pushed_moments, unseen_by_fingerprint
-from grpo.serving.supervisor import ServerProcess
+from grpo.serving.supervisor import ServerProcess, StartupTimeout
 from grpo.serving.weights_dir import prune_weights
 from grpo.serving.weights_writer import write_weights
 
@@ -211,6 +213,8 @@ class WeightsMismatchError(InferenceServerError):
 class InferenceServer:
     """A grpo.serving.server child process (or an attached URL), its client, and the weights it serves."""
 
+    RESTARTS = 3  # deaths one request survives: a server that dies at every try is not restarted forever
+
     def __init__(self, cfg: ServerConfig, client: InferenceClient, model_dir: Path, run_dir: Path,
                  weights_root: Optional[Path], process: Optional[ServerProcess] = None,
                  token: Optional[str] = None, serve_dtype: Optional[torch.dtype] = None) -> None:
@@ -306,15 +310,19 @@ class InferenceServer:
 
     def _surviving(self, call):
         """call(); if a launched server died under it (before, during or after a push), restart it,
-        re-serve what it served, and call once more. A refusal (4xx) is raised as it is."""
-        try:
-            return call()
-        except ServerUnavailableError as e:
-            if self._process is None:
-                raise  # attached: not ours to restart
-            self._report_restart(e)
-            self.restart()
-            return call()
+        re-serve what it served, and call again, through up to RESTARTS deaths (one may come during
+        the retry itself). A refusal (4xx) is raised as it is."""
+        for restarts in range(self.RESTARTS + 1):
+            try:
+                if restarts:
+                    self.restart()  # a death while it re-serves counts as one more
+                return call()
+            except StartupTimeout:
+                raise  # a restart that never became healthy: restarting again would wait as long
+            except ServerUnavailableError as e:
+                if self._process is None or self._stopped or restarts == self.RESTARTS:
+                    raise  # attached: not ours to restart; stopped: the run is ending (a batch sampled ahead)
+                self._report_restart(e)
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int, step: int) -> dict:
         """alpha <- these weights (rank 0's full state dict): write, load, check, prune. Returns the
@@ -396,8 +404,16 @@ class InferenceServer:
             self._load(*self._served)
 
     def _start(self, port: int) -> None:
+        """Start the child and wait for its health; a child that dies while it starts (killed by the
+        OOM killer or an operator, at launch or in a restart) is started once more."""
         healthy = lambda url: InferenceClient(url, self._token, retry_deadline_s=1).health()  # noqa: E731
-        self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
+        try:
+            self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
+        except StartupTimeout:
+            raise
+        except ServerUnavailableError as e:  # it died while starting
+            self._report_restart(e)
+            self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
 
     def is_alive(self) -> bool:
         if self._process is not None and self._process.death_reason():

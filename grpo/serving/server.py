@@ -28,6 +28,7 @@ No orphans: every process vLLM starts for its engine (the engine core, tensor-pa
 by fork or by spawn, whichever executor vLLM picks, dies with this server (`engine_processes_die_with_server`).
 """
 import argparse
+import asyncio
 import json
 import os
 import stat
@@ -159,6 +160,21 @@ def engine_executor_args(on_cpu: bool, cpu_executor: str = "in_process") -> list
     return []
 
 
+ENGINE_DIED_EXIT = 3  # the server's exit code when its engine died under it
+
+
+async def exit_when_the_engine_dies(engine, poll_s: float = 0.5) -> None:
+    """A server whose vLLM engine died (killed, OOM, a crash in a kernel) cannot serve again, but its
+    HTTP side would go on answering 503 "engine is dead": its supervisor would wait for health until
+    server.startup_timeout_s, or a request would retry until its deadline. End the process instead,
+    so the trainer sees a dead server at once and restarts it."""
+    while not engine.errored:
+        await asyncio.sleep(poll_s)
+    print("[grpo.server] the vLLM engine died: exiting so that the trainer restarts this server",
+          file=sys.stderr, flush=True)
+    os._exit(ENGINE_DIED_EXIT)  # nothing left to shut down gracefully: the engine is gone
+
+
 async def serve(ns: argparse.Namespace, token: str) -> None:
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
@@ -183,6 +199,8 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
     args = vllm_args(ns, port, on_cpu)
     root = Path(ns.weights_root)  # checked by main()
     async with build_async_engine_client(args) as engine:
+        # held for the life of serve(): the event loop keeps only weak references to tasks
+        watch = asyncio.create_task(exit_when_the_engine_dies(engine))  # noqa: F841
         tasks = await engine.get_supported_tasks()
         app = build_app(args, tasks, engine.model_config)
         await init_app_state(engine, app.state, args, tasks)
