@@ -262,6 +262,26 @@ def step_bench_kernels(args) -> dict:
             seconds=seconds, bytes_read=read, bytes_per_s=read / seconds,
             fraction_of_peak=(read / seconds / peak) if peak else None,
             fraction_of_copy=(read / seconds) / (2 * read / copy_s))  # a copy moves 2x the bytes
+    # The log-prob kernel's launch (KernelConfig.block_v, num_warps, rows_per_program) swept on this
+    # device, forward alone: the figures a default is chosen from.
+    launches = ([(2048, 4, 1), (2048, 8, 1)] if args.smoke else
+                [(bv, w, r) for bv in (1024, 2048, 4096, 8192) for w in (4, 8, 16) for r in (1, 2)])
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randn(n, v, device=device, dtype=dtype)
+        targets = torch.randint(0, v, (n,), device=device)
+        read = logits.numel() * logits.element_size()
+        sweep = {}
+        for bv, w, r in launches:
+            cfg = kernels.KernelConfig(backend="torch" if args.smoke else "triton", block_v=bv, num_warps=w,
+                                       rows_per_program=r)
+            sec = _timed(lambda: kernels.token_logprobs(logits, targets, 0.1, config=cfg), device,
+                         repeats=2 if args.smoke else 20)
+            sweep[f"block_v={bv},num_warps={w},rows={r}"] = read / sec
+        best = max(sweep, key=sweep.get)
+        peak = _hbm_peak(torch.cuda.get_device_properties(0).name) if device.type == "cuda" else None
+        out[f"launch_sweep_{str(dtype).split('.')[-1]}"] = dict(
+            best=best, best_fraction_of_peak=(sweep[best] / peak) if peak else None,
+            bytes_per_s={k: round(b) for k, b in sweep.items()})
     return out
 
 
