@@ -51,6 +51,7 @@ def test_gradients_stay_unsharded_only_where_they_are_a_small_share_of_the_devic
     assert 0 < device_memory_bytes(torch.device("cpu"), 2) < device_memory_bytes(torch.device("cpu"), 1)
 
 
+@pytest.mark.torchrun
 def test_payloads_of_several_mb_round_trip_on_two_ranks(tmp_path):
     proc = torchrun(2, "payload", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]
