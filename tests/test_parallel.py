@@ -61,6 +61,48 @@ def test_payloads_of_several_mb_round_trip_on_two_ranks(tmp_path):
 
 
 @pytest.mark.torchrun
+def test_ranks_die_with_a_killed_torchrun_agent(tmp_path):
+    """torchrun starts each rank in a session of its own, so SIGKILL of the job's process group (a
+    killed sweep, a scheduler) reached only the agent, and the ranks trained on as orphans into the
+    run directory the next attempt resumes (tests/test_sweep.py's killed sweep once found its killed
+    run finished). init_distributed ties each rank to its agent."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              WORKER, "outlive_agent", str(out)], cwd=ROOT, env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"out.pid{r}").is_file() for r in (0, 1)):
+            assert agent.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        time.sleep(0.2)  # the pid files are written whole before this reads them
+        ranks = [int((tmp_path / f"out.pid{r}").read_text()) for r in (0, 1)]
+        os.killpg(agent.pid, signal.SIGKILL)  # the job's process group: the agent, not the ranks' sessions
+        agent.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in ranks), "a rank outlived its torchrun agent"
+    finally:
+        for pid in (int(p.read_text()) for p in tmp_path.glob("out.pid*") if p.read_text()):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """pid runs and is not a zombie awaiting its (dead) parent's reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.torchrun
 def test_process_group_timeout_is_the_configured_one(tmp_path):
     """Rank 1 waits in a broadcast while rank 0 is busy for 4 s: a 1 s time-out aborts it, the
     configured 60 s lets it through (NCCL's default of 10 minutes would abort a vLLM start-up)."""
