@@ -149,10 +149,10 @@ def run(cfg: EvalRunConfig) -> dict:
           f"at T={cfg.eval.temperature}, {cfg.eval.max_tokens} tokens -> {out_dir}", file=sys.stderr)
     with RewardScorer(cfg.reward) as scorer:
         try:
-            layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.url is not None,
+            layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.attached,
                                  rank=0, local_rank=0, local_world_size=0, node_rank=0,
                                  memory_fraction=cfg.server.gpu_memory_utilization,
-                                 server_gpus=cfg.server.tensor_parallel_size)
+                                 server_gpus=cfg.server.tensor_parallel_size, replicas=cfg.server.replicas)
         except LayoutError as e:
             raise EvalError(str(e)) from None
         try:

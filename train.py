@@ -170,10 +170,10 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     """Process group, models, optimizer, logger, and on rank 0 the server, scorer, sampler; with
     `resume`, the state of the newest complete checkpoint (and alpha served again)."""
     env = launch_env()
-    layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.url is not None,
+    layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.attached,
                          rank=env.rank, local_rank=env.local_rank, local_world_size=env.local_world_size,
                          node_rank=env.node_rank, memory_fraction=cfg.server.gpu_memory_utilization,
-                         server_gpus=cfg.server.tensor_parallel_size)
+                         server_gpus=cfg.server.tensor_parallel_size, replicas=cfg.server.replicas)
     info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s, cfg.parallel.heartbeat_timeout_s)
     cfg.log.run_name = shared_run_name(cfg)
     preflight.check_batch_split(cfg.grpo.batch_prompts, info.world_size)

@@ -52,6 +52,8 @@ class ServerConfig:
     """The `server:` section: where pi_old is served and how weights get there."""
 
     url: Optional[str] = None  # attach to a running server (http://host:port) instead of launching one
+    urls: Optional[list[str]] = None  # attach to several running servers (a fleet; bytes pushes); url is its one-server case
+    replicas: int = 1  # local servers launched (a fleet), each on server.tensor_parallel_size GPUs of its own (grpo.layout)
     token_file: Optional[str] = None  # attach only: file with the server's token (else $GRPO_SERVER_TOKEN)
     host: str = "127.0.0.1"  # interface the launched server binds; keep loopback unless it must be remote
     port: int = 0  # port of the launched server; 0 = pick a free one
@@ -78,6 +80,26 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.url is not None and urllib.parse.urlparse(self.url).scheme not in ("http", "https"):
             raise ValueError(f"url: must start with http:// or https://, got {self.url!r}")
+        if self.urls is not None:
+            if self.url is not None:
+                raise ValueError(f"urls: set url or urls, not both (url is the one-server case of urls), got "
+                                 f"url={self.url!r} and urls={self.urls!r}")
+            if not self.urls:
+                raise ValueError("urls: an empty list attaches to no server; leave it unset to launch one")
+            for i, u in enumerate(self.urls):
+                if not isinstance(u, str) or urllib.parse.urlparse(u).scheme not in ("http", "https"):
+                    raise ValueError(f"urls[{i}]: must start with http:// or https://, got {u!r}")
+            if len(set(self.urls)) != len(self.urls):
+                raise ValueError(f"urls: lists a server twice: {self.urls!r}")
+            if self.push_mode != "bytes":
+                raise ValueError("push_mode: servers attached by urls take bytes pushes (each has its own weights "
+                                 "root); set push_mode: bytes")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas: must be an integer >= 1, got {self.replicas!r}")
+        if self.replicas > 1 and self.attached:
+            key = "urls" if self.urls else "url"
+            raise ValueError(f"replicas: {self.replicas} launches local servers, but {key} attaches to servers "
+                             f"elsewhere: set one of replicas and {key}")
         if self.url is not None and self.push_mode == "path" and self.weights_root is None:
             raise ValueError("weights_root: attaching with push_mode 'path' needs the server's weights root "
                              "(a shared filesystem), got None; or use push_mode 'bytes'")
@@ -100,6 +122,22 @@ class ServerConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"head_dtype: must be one of {list(HEAD_DTYPES)}, got {self.head_dtype!r}")
+
+
+    @property
+    def attached(self) -> bool:
+        """The servers run elsewhere (url or urls): nothing is launched here."""
+        return self.url is not None or bool(self.urls)
+
+    @property
+    def attached_urls(self) -> list[str]:
+        """The attached servers' URLs (url as a list of one; [] when launched here)."""
+        return list(self.urls) if self.urls else [self.url] if self.url is not None else []
+
+    @property
+    def servers(self) -> int:
+        """How many servers sample: the attached URLs or the launched replicas."""
+        return len(self.attached_urls) or self.replicas
 
 
 def check_context_fits(cfg: ServerConfig, longest_prompt: int, budgets: dict[str, int]) -> None:
