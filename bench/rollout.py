@@ -90,9 +90,11 @@ def main() -> None:
     ap.add_argument("--servers", default="", help="fleet sizes, e.g. 1,2: the same batch through a ServerFleet of "
                                                   "each size (the first sampler), instead of server against HF")
     args = ap.parse_args()
-    sizes = [int(r) for r in args.servers.split(",")] if args.servers else []
-    if any(r < 1 for r in sizes):
-        sys.exit(f"--servers {args.servers}: every fleet size must be >= 1")
+    sizes = args.servers.split(",") if args.servers else []
+    if not all(r.isdigit() and int(r) >= 1 for r in sizes):
+        print(f"--servers {args.servers}: fleet sizes are whole numbers >= 1, e.g. 1,2", file=sys.stderr)
+        sys.exit(2)
+    sizes = [int(r) for r in sizes]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if args.model == "tiny":
