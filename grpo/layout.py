@@ -105,6 +105,12 @@ def visible_gpus(env: Optional[dict] = None, device_count: Optional[int] = None)
     return [d.strip() for d in listed.split(",") if d.strip()][:device_count]
 
 
+def servers_take(replicas: int, tp: int) -> str:
+    """What the launched servers reserve, for a refusal's message."""
+    return (f"the server takes server.tensor_parallel_size={tp}" if replicas == 1 else
+            f"the servers take server.replicas x server.tensor_parallel_size = {replicas} x {tp}")
+
+
 def plan_layout(visible: list[str], *, server_device: str, attached: bool, rank: int, local_rank: int,
                 local_world_size: int, node_rank: int, memory_fraction: Optional[float] = None,
                 server_gpus: int = 1, replicas: int = 1) -> DeviceLayout:
@@ -181,8 +187,7 @@ def plan_layout(visible: list[str], *, server_device: str, attached: bool, rank:
     if local_world_size > n - reserved:
         what = (f"the inference server need {local_world_size + server_gpus} GPUs" if replicas == 1 else
                 f"{replicas} inference servers need {local_world_size + reserved} GPUs")
-        takes = (f"the server takes server.tensor_parallel_size={server_gpus}" if replicas == 1 else
-                 f"the servers take server.replicas x server.tensor_parallel_size = {replicas} x {server_gpus}")
+        takes = servers_take(replicas, server_gpus)
         smaller = "a smaller server.tensor_parallel_size" if replicas == 1 else \
             "fewer server.replicas or a smaller server.tensor_parallel_size"
         raise LayoutError(f"torchrun --nproc_per_node={local_world_size} trainers plus {what}, {n} are visible "

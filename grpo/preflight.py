@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from grpo.config import ConfigError, load_config
 from grpo.data import DataConfig, DataError, PromptSampler, build_prompt, load_problem_set, make_sampler
-from grpo.layout import DeviceLayout, LayoutError, plan_layout, visible_gpus
+from grpo.layout import DeviceLayout, LayoutError, plan_layout, servers_take, visible_gpus
 from grpo.models import ModelPathError, load_tokenizer, resolve_model_path
 
 BAD_INPUT = (ConfigError, DataError, LayoutError, ModelPathError, ValueError, OSError)
@@ -151,9 +151,8 @@ def plan_training(cfg, visible: list[str], nproc_per_node: Optional[int] = None,
     if nproc is None:  # as many trainers as fit beside the server
         nproc = n if attached or server.device == "cpu" else (n - replicas * tp if n > 1 else 1)
     if nproc < 1:
-        takes = f"the server takes server.tensor_parallel_size={tp}" if replicas == 1 else \
-            f"the servers take server.replicas x server.tensor_parallel_size = {replicas} x {tp}"
-        raise LayoutError(f"torchrun --nproc_per_node={nproc}: no trainer rank fits ({n} GPUs, {takes})")
+        raise LayoutError(f"torchrun --nproc_per_node={nproc}: no trainer rank fits ({n} GPUs, "
+                          f"{servers_take(replicas, tp)})")
 
     def local(node_rank: int) -> list[DeviceLayout]:
         return [plan_layout(visible, server_device=server.device, attached=attached, rank=r if node_rank == 0 else 1,

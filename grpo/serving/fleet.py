@@ -231,13 +231,6 @@ class ServerFleet:
                                        f"{dict(zip((s.url for s in self.servers), versions))}")
         return versions[0]
 
-    def is_alive(self) -> bool:
-        return all(self._raise_first(self._each(lambda r, s: s.is_alive())))
-
-    def restart(self) -> None:
-        """Every launched server started again, re-serving what it served."""
-        self._raise_first(self._each(lambda r, s: s.restart()))
-
     def stop(self) -> None:
         """Every server stopped, at once (the launcher gives a finishing rank seconds, not minutes)."""
         self._each(lambda r, s: s.stop())
@@ -252,28 +245,9 @@ class ServerFleet:
         return [server.url for server in self.servers]
 
     @property
-    def pid(self) -> Optional[int]:
-        return self.servers[0].pid
-
-    @property
-    def cfg(self) -> ServerConfig:
-        return self.servers[0].cfg
-
-    @property
-    def client(self):
-        return self.servers[0].client
-
-    @property
-    def serve_dtype(self) -> torch.dtype:
-        return self.servers[0].serve_dtype
-
-    @property
     def cpu_cores(self) -> Optional[list[int]]:
         """A launched CPU engine's cores (grpo/cpu/cores.py splits them with the trainer): one server only."""
         return self.servers[0].cpu_cores if len(self.servers) == 1 else None
-
-    def __len__(self) -> int:
-        return len(self.servers)
 
     def __repr__(self) -> str:
         return f"ServerFleet({self.urls!r})"

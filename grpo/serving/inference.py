@@ -123,7 +123,6 @@ class ServerConfig:
         if self.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"head_dtype: must be one of {list(HEAD_DTYPES)}, got {self.head_dtype!r}")
 
-
     @property
     def attached(self) -> bool:
         """The servers run elsewhere (url or urls): nothing is launched here."""
@@ -133,11 +132,6 @@ class ServerConfig:
     def attached_urls(self) -> list[str]:
         """The attached servers' URLs (url as a list of one; [] when launched here)."""
         return list(self.urls) if self.urls else [self.url] if self.url is not None else []
-
-    @property
-    def servers(self) -> int:
-        """How many servers sample: the attached URLs or the launched replicas."""
-        return len(self.attached_urls) or self.replicas
 
 
 def check_context_fits(cfg: ServerConfig, longest_prompt: int, budgets: dict[str, int]) -> None:
