@@ -128,11 +128,12 @@ class Attempt:
         for p in tree:
             try:
                 key = (p.pid, p.create_time())
-                self.known.setdefault(key, p)
                 # again at every walk: vLLM's engine starts as a copy of the server and renames itself
-                self.roles[key] = role_of(p, top.pid)
-            except psutil.Error:
+                role = role_of(p, top.pid)
+            except psutil.Error:  # it exited while being looked at: known only with a role
                 continue
+            self.known.setdefault(key, p)
+            self.roles[key] = role
 
     def live(self, role: Optional[str] = None) -> list[psutil.Process]:
         out = []
