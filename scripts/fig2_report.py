@@ -382,21 +382,24 @@ def plot_vsweep(by_v: dict[int, dict[int, list[dict]]], out: Path, title: str) -
 # ---------------------------------------------------------------------------------------------
 # the replay: objectives compared on the v10-i1 recordings (scripts/compare_objectives.py)
 
-def replay_table(compare_dirs: list[Path], v: int) -> str:
+def replay_table(compare_dirs: list[Path]) -> str:
     """Mean cosine to the reference's update and mean gradient norm per objective, by the batch's lag
-    in its v-window, over the compare.jsonl rows of the given runs."""
+    (optimizer steps since its push), over the compare.jsonl rows of the given runs (--follow)."""
     rows = []
     for d in compare_dirs:
         path = d / "compare.jsonl" if d.is_dir() else d
         if not path.is_file():
             raise ReportError(f"--compare {d}: no compare.jsonl (run scripts/compare_objectives.py first)")
         rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if any("alpha_lag_steps" not in r for r in rows):
+        raise ReportError(f"--compare {', '.join(map(str, compare_dirs))}: rows without alpha_lag_steps: the batches "
+                          "were compared at fixed parameters, where a lag means nothing (compare_objectives.py --follow)")
     names = list(dict.fromkeys(r["objective"] for r in rows))
     lines = ["| lag | " + " | ".join(f"{n}: cos / norm" for n in names) + " |", "| --- |" + " --- |" * len(names)]
-    for lag in range(v):
+    for lag in sorted({r["alpha_lag_steps"] for r in rows}):
         cells = []
         for n in names:
-            mine = [r for r in rows if r["objective"] == n and r["iteration"] % v == lag]
+            mine = [r for r in rows if r["objective"] == n and r["alpha_lag_steps"] == lag]
             cos = [r["cosine_to_reference"] for r in mine if plot.finite(r["cosine_to_reference"])]
             norm = [r["grad_norm"] for r in mine if plot.finite(r["grad_norm"])]
             cells.append(f"{sum(cos) / len(cos):.3f} / {sum(norm) / len(norm):.3g}" if cos and norm else "")
@@ -486,7 +489,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         by_v = v_runs(sweeps, wanted)
         fig_v = out.with_name(out.stem + "_vsweep.png")
         plot_vsweep(by_v, fig_v, "How far off policy: the same iterations at every v")
-        replay = replay_table([Path(c) for c in args.compare], v10) if args.compare else None
+        replay = replay_table([Path(c) for c in args.compare]) if args.compare else None
     except (ReportError, plot.PlotError) as e:
         print(f"fig2_report.py: error: {e}", file=sys.stderr)
         return 2
@@ -546,9 +549,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ]
     if replay is not None:
         page += ["", "## Objectives on the v10-i1 recordings", "",
-                 "scripts/compare_objectives.py on the recorded batches: each objective's first-step update at the "
-                 "same parameters, its cosine to the reference's (the first objective) and its norm, by the batch's "
-                 "lag in its window.", "", replay]
+                 "scripts/compare_objectives.py --follow on the recorded batches: each objective's first-step update "
+                 "at the parameters the run had when it trained on the batch, its cosine to the reference's (the "
+                 "first objective) and its norm, mean over the batches at each lag (optimizer steps since the push "
+                 "that sampled the batch).", "", replay]
     out.write_text("\n".join(page) + "\n")
     print(claims_table(found))
     print(f"wrote {out}, {fig_main.name}, {fig_lag.name}, {fig_v.name}")

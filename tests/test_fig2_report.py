@@ -123,3 +123,18 @@ def test_v10_far_behind_is_refuted_and_batch_reuse_behind_holds(tmp_path):
     }
     found = report.claims(report.plot.load_sweep(write_sweep(tmp_path, curves))[1])
     assert [c.verdict for c in found] == [report.REFUTED, report.OPEN, report.HOLDS]  # masking: equal, no interval width
+
+
+def test_the_replay_table_is_by_lag_and_needs_followed_rows(tmp_path):
+    rows = [{"iteration": k, "objective": name, "alpha_lag_steps": k % 2, "grad_norm": 1.0 + k,
+             "cosine_to_reference": 1.0 if name == "grpo" else 0.5 + 0.1 * (k % 2)}
+            for k in range(4) for name in ("grpo", "cispo")]
+    (tmp_path / "compare.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = report.replay_table([tmp_path]).splitlines()
+    assert table[0] == "| lag | grpo: cos / norm | cispo: cos / norm |"
+    assert table[2:] == ["| 0 | 1.000 / 2 | 0.500 / 2 |", "| 1 | 1.000 / 3 | 0.600 / 3 |"]
+    for r in rows:
+        del r["alpha_lag_steps"]
+    (tmp_path / "compare.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(report.ReportError, match="--follow"):
+        report.replay_table([tmp_path])
