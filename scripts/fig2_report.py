@@ -482,13 +482,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         v10 = point_v(manifest, "v10-i1")
         lags = by_lag(points["v10-i1"], v10)
         fig_lag = out.with_name(out.stem + "_lag.png")
-        plot_lags(lags, fig_lag, f"v10-i1: the off-policy instruments by lag (mean over seeds, +-1 std)")
+        if points["v10-i1"]:
+            plot_lags(lags, fig_lag, "v10-i1: the off-policy instruments by lag (mean over seeds, +-1 std)")
         wanted = {"v1-i1": 1, "v10-i1": v10}
         if vs_manifest is not None:
             wanted.update({p["name"]: point_v(vs_manifest, p["name"]) for p in vs_manifest["points"]})
         by_v = v_runs(sweeps, wanted)
         fig_v = out.with_name(out.stem + "_vsweep.png")
-        plot_vsweep(by_v, fig_v, "How far off policy: the same iterations at every v")
+        if by_v:
+            plot_vsweep(by_v, fig_v, "How far off policy: the same iterations at every v")
         replay = replay_table([Path(c) for c in args.compare]) if args.compare else None
     except (ReportError, plot.PlotError) as e:
         print(f"fig2_report.py: error: {e}", file=sys.stderr)
@@ -537,15 +539,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         "`tv_mismatch` (engine against trainer); `bound_M` is eq. 4's M over all groups, `bound_M_nonzero` over "
         "the groups with nonzero variance.",
         "",
-        lag_table(lags),
+        lag_table(lags) if points["v10-i1"] else "No v10-i1 run yet.",
         "",
-        f"![instruments by lag]({fig_lag.name})",
+        f"![instruments by lag]({fig_lag.name})" if points["v10-i1"] else "",
         "",
         "## How far off policy: the v-sweep",
         "",
-        vsweep_table(by_v),
+        vsweep_table(by_v) if by_v else "No run yet.",
         "",
-        f"![pass@1 and pushes against v]({fig_v.name})",
+        f"![pass@1 and pushes against v]({fig_v.name})" if by_v else "",
     ]
     if replay is not None:
         page += ["", "## Objectives on the v10-i1 recordings", "",

@@ -138,3 +138,14 @@ def test_the_replay_table_is_by_lag_and_needs_followed_rows(tmp_path):
     (tmp_path / "compare.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(report.ReportError, match="--follow"):
         report.replay_table([tmp_path])
+
+
+def test_a_sweep_part_way_makes_a_page_that_decides_nothing_it_lacks(tmp_path):
+    """Seed 0 of v1-i1 and v1-i1-mask finished, nothing of v10-i1 and v1-i10 (a sweep killed early,
+    --partial): the page is written, every claim without two seeds is not resolved."""
+    curves = {"v1-i1": {0: linear(0.5)}, "v1-i1-mask": {0: linear(0.6)}, "v10-i1": {}, "v1-i10": {}}
+    sweep = write_sweep(tmp_path, curves)
+    out = tmp_path / "page.md"
+    assert report.main(["--sweep", str(sweep), "--out", str(out)]) == 0
+    assert [c.verdict for c in report.claims(report.plot.load_sweep(sweep)[1])] == [report.OPEN] * 3
+    assert "No v10-i1 run yet." in out.read_text() and not (tmp_path / "page_lag.png").exists()
