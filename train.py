@@ -34,6 +34,7 @@ from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_b
                            group_rows, plan_micro_batches)
 from grpo.checkpoint import CheckpointError, Checkpointer, check_shared_directory, export_hf
 from grpo.config import ConfigError, load_config, save_config, to_dict
+from grpo.fsutil import NoSpaceError
 from grpo.cpu import tune_trainer
 from grpo.cpu.bf16 import multiplies_bf16
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
@@ -51,7 +52,7 @@ from grpo.policy import ObjectiveInputs, Policy
 from grpo import preflight
 from grpo.parity import ParityProbe, parity_stats, trainer_logprobs, warn_if_apart
 from grpo.progress import Progress, alpha_lag
-from grpo.recording import RecordedStream, ReplayError, record_batch
+from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer, record_batch
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
 from grpo.serving.client import InferenceServerError
@@ -147,6 +148,7 @@ class Run:
     eval_problems: Optional[list] = None
     sample_ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
     recorded: Optional[RecordedStream] = None  # --replay: the batches a run recorded, in place of the server (rank 0)
+    made_with: Optional[dict] = None  # the model and tokenizer recorded batches are made with (grpo/recording.py; rank 0)
     # the weights of the last push, frozen: pi_push of grpo/staleness.py (log.split_staleness, v > 1)
     pushed_policy: Optional[Policy] = None
     pushed_known: bool = False  # pushed_policy holds the push that alpha is (False after a resume that lost it)
@@ -178,11 +180,13 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     torch.manual_seed(cfg.seed + info.rank)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     sampler = eval_problems = None
-    recorded = None
+    recorded = made_with = None
     if info.is_main:  # bad data is refused before anything slow starts
+        if cfg.replay or cfg.log.save_rollouts:
+            made_with = model_and_tokenizer(cfg.model.path, tokenizer)
         if cfg.replay:
             recorded = RecordedStream(cfg.replay)
-            recorded.check_covers(cfg.grpo.S, cfg.grpo.M)
+            recorded.check(cfg, made_with)
         sampler = named_input("data", lambda: make_sampler(cfg.data, cfg.grpo.batch_prompts, seed=cfg.seed))
         if cfg.eval_data is not None:
             eval_problems = named_input("eval_data", lambda: load_problems(cfg.eval_data))
@@ -213,7 +217,11 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               checkpointer, MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               StopFlag(), serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu), sampler=sampler,
               eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
-              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, pushed_policy=pushed_policy)
+              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, made_with=made_with,
+              pushed_policy=pushed_policy)
+    room = checkpointer.room_warning(checkpoint_size(run)) if info.is_main else None
+    if room:  # a save writes the new checkpoint before it prunes the oldest
+        print(f"[train] warning: {room}", file=sys.stderr)
     progress = Progress()
     if pushed_policy is not None and not resume:  # version 0, served from the model directory, is pi_theta_0
         copy_policy(pushed_policy, policy)
@@ -242,6 +250,16 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir and not cfg.replay:
         progress = reserve_alpha(run, progress)
     return run, progress
+
+
+def checkpoint_size(run: Run) -> int:
+    """The bytes of one checkpoint of this run: pi_theta and AdamW's two moments of each parameter,
+    pi_ref and pi_push where kept, and (v > 1, saved inside a window) alpha's weights as served."""
+    numel = sum(p.numel() for p in run.policy.parameters())  # a DTensor counts its global shape
+    theta = sum(p.numel() * p.element_size() for p in run.policy.parameters())
+    frozen = [m for m in (run.ref_policy, run.pushed_policy) if m is not None]
+    alpha = numel * run.serve_dtype.itemsize if run.cfg.grpo.v > 1 and not run.cfg.replay else 0
+    return 3 * theta + sum(p.numel() * p.element_size() for m in frozen for p in m.parameters()) + alpha
 
 
 def shared_run_name(cfg: TrainConfig) -> str:
@@ -312,6 +330,21 @@ def reserve_alpha(run: Run, progress: Progress) -> Progress:
 # ------------------------------------------------------------------------------------------------
 
 
+def on_main_rank(run: Run, work: Callable[[], object]):
+    """work() on rank 0 and its (JSON) result on every rank (collective); a full disk there stops
+    every rank alike, rather than leaving the others waiting for rank 0."""
+    outcome = None
+    if run.dist.is_main:
+        try:
+            outcome = {"result": work()}
+        except NoSpaceError as e:
+            outcome = {"no_space": str(e)}
+    outcome = broadcast_json(outcome)
+    if "no_space" in outcome:
+        raise NoSpaceError(outcome["no_space"])
+    return outcome["result"]
+
+
 def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
     """alpha <- pi_theta: gather the full state dict on rank 0, which the server writes and loads.
     Collective (every rank gathers its shards). Returns the new progress and {bytes, seconds}.
@@ -324,8 +357,12 @@ def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
         # vLLM's layer-wise reload allocates on the GPU this trainer shares: hand back cached blocks
         torch.cuda.empty_cache()
     version = progress.weights_version + 1
-    pushed = run.server.push(full_state, version, step=progress.step) if run.dist.is_main else None
-    pushed = broadcast_json(pushed and {"bytes": float(pushed["bytes"]), "weights_dir": str(pushed["weights_dir"])})
+
+    def push() -> dict:  # rank 0 writes, the server loads
+        reply = run.server.push(full_state, version, step=progress.step)
+        return {"bytes": float(reply["bytes"]), "weights_dir": str(reply["weights_dir"])}
+
+    pushed = on_main_rank(run, push)
     progress = progress.after_push(version, pushed["weights_dir"])
     if run.pushed_policy is not None:  # pi_push for the staleness split of the window's batches
         copy_policy(run.pushed_policy, run.policy)
@@ -564,8 +601,13 @@ def probe_parity(run: Run, progress: Progress, rollout: Rollout, stage: int, k: 
     return outcome["stats"] if run.dist.is_main else {}
 
 
+class RunStopped(RuntimeError):
+    """The run cannot go on; the message says why in one line. Its last checkpoint is where --resume starts."""
+
+
 def optimizer_step(run: Run) -> tuple[float, bool]:
-    """Clip, then step unless the gradient is not finite (then the step is skipped and counted)."""
+    """Clip, then step unless the gradient is not finite (then the step is skipped and counted:
+    Progress.nan_skips, nan_streak; the LR schedule still advances)."""
     params = [p for p in run.policy.parameters() if p.grad is not None]
     max_norm = run.cfg.optim.grad_clip if run.cfg.optim.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, foreach=True)
@@ -580,6 +622,16 @@ def optimizer_step(run: Run) -> tuple[float, bool]:
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()  # the schedule follows optimizer steps attempted, so a skip does not shift it
     return grad_norm, finite
+
+
+def check_nan_streak(cfg: TrainConfig, progress: Progress) -> None:
+    """More than optim.max_consecutive_skips steps in a row without a finite gradient: the run is
+    not training any more (a batch, a learning rate or the numerics broke it): stop, naming the key."""
+    if progress.nan_streak > cfg.optim.max_consecutive_skips:
+        first = progress.step - progress.nan_streak + 1
+        raise RunStopped(f"{progress.nan_streak} optimizer steps in a row (steps {first}-{progress.step}) had a "
+                         f"non-finite gradient, more than optim.max_consecutive_skips={cfg.optim.max_consecutive_skips}"
+                         f"; stopped (--resume continues from the last checkpoint)")
 
 
 @torch.no_grad()
@@ -657,8 +709,8 @@ def main(argv=None) -> int:
                 # B prompts x G completions from alpha; rewards, advantages (eq. 2), mask (eq. 8)
                 seed = batch_seed(cfg, stage, k)
                 rollout = sample_batch(run, progress, k, seed)
-                if cfg.log.save_rollouts and run.dist.is_main:  # the batch as trained on (docs/offpolicy.md)
-                    record_batch(run.run_dir, stage, k, seed, rollout)
+                if cfg.log.save_rollouts:  # the batch as trained on (docs/offpolicy.md)
+                    on_main_rank(run, lambda: str(record_batch(run.run_dir, stage, k, seed, rollout, run.made_with)))
                 # engine mismatch on the same weights: the parity probe, right after a push
                 parity = probe_parity(run, progress, rollout, stage, k) if k % cfg.grpo.v == 0 else {}
                 if run.dist.is_main and run.sample_ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
@@ -683,6 +735,7 @@ def main(argv=None) -> int:
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row.get('kl', math.nan):.4f}",
                                     clip=f"{row.get('clip_frac', math.nan):.3f}", ver=row["weights_version"])
+                    check_nan_streak(cfg, progress)
                 if cfg.log.sample_table_every and k % cfg.log.sample_table_every == 0:
                     run.logger.log_samples(progress.step, rollout.table)
 
@@ -700,6 +753,12 @@ def main(argv=None) -> int:
             progress = replace(progress, stage=stage + 1, iteration=0)
         finish(run, progress)
         return 0
+    except (RunStopped, NoSpaceError, CheckpointError) as e:  # every rank stops; one line
+        bar.close()  # ends the progress bar's line first
+        if run.dist.is_main:
+            then = "; free space there, then --resume" if isinstance(e, NoSpaceError) else ""
+            print(f"[train] error: {e}{then}", file=sys.stderr)
+        return 1
     finally:
         run.close()
 

@@ -18,7 +18,9 @@ A checkpoint `<dir>/step_<N>/` holds:
 Saving is atomic: everything goes to `step_<N>.tmp/`, rank 0 writes manifest and marker, fsyncs,
 and renames the directory, so a crash leaves either a complete checkpoint or a `.tmp` directory
 that `latest()` ignores. `latest()` also re-checks the manifest, so a checkpoint truncated later
-(a full disk, a partial copy) is skipped with a warning in favour of the one before.
+(a partial copy) is skipped with a warning in favour of the one before. A save that finds the disk
+full removes its `.tmp` directory and raises grpo.fsutil.NoSpaceError naming the checkpoint and
+its size; the checkpoints before it stay as they were (old ones are pruned only after a save).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from grpo.fsutil import fsync_dir, fsync_file, hash_file, replace_dir, write_durable
+from grpo.fsutil import free_bytes, fsync_dir, fsync_file, hash_file, human_bytes, no_space, replace_dir, write_durable
 from grpo.models import LM_HEAD_KEY, drop_tied_lm_head
 
 MANIFEST = "manifest.json"
@@ -230,6 +233,22 @@ def verify_checkpoint(path: Path) -> Optional[str]:
     return None
 
 
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict at their full size: what DCP writes of it over
+    all ranks (a DTensor counts its global shape)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and not p.is_symlink())
+
+
 def _step_of(path: Path) -> Optional[int]:
     name = path.name
     if not name.startswith("step_"):
@@ -348,7 +367,23 @@ class Checkpointer:
             raise CheckpointError(f"save(step={step}): {bad}")
         final = self.dir / f"step_{step}"
         tmp = self.dir / f"step_{step}.tmp"
+        state = self._state(model, optimizer, ref_model, push_model)
+        needed = state_bytes(state) + sum(_tree_bytes(Path(d)) for d in (extra_dirs or {}).values())
+        try:
+            self._save(step, final, tmp, state, optimizer is not None, ref_model is not None, push_model is not None,
+                       trainer_state, extra_dirs)
+        except BaseException as e:  # CheckpointException (DCP's, gathered from every rank) is a BaseException
+            # DCP's stream writer reports a full disk as "unexpected pos", without the errno
+            full = no_space(e, final, needed, errno_lost=isinstance(e, CheckpointException))
+            if full is None:
+                raise
+            if _rank() == 0:  # every rank knows the save failed (DCP and _all_ok agree on it): free its space
+                _rmtree(tmp)
+            raise full from None
+        return final
 
+    def _save(self, step: int, final: Path, tmp: Path, state: dict, has_optimizer: bool, has_ref_model: bool,
+              has_push_model: bool, trainer_state: dict, extra_dirs: Optional[dict]) -> None:
         def prepare():
             self.dir.mkdir(parents=True, exist_ok=True)
             _rmtree(tmp)  # left by a save that crashed
@@ -356,7 +391,7 @@ class Checkpointer:
 
         _run_on_rank0(prepare, f"checkpoint save: preparing {tmp}")
 
-        dcp.save(self._state(model, optimizer, ref_model, push_model), checkpoint_id=tmp)
+        dcp.save(state, checkpoint_id=tmp)
 
         from safetensors.torch import save_file
 
@@ -377,8 +412,8 @@ class Checkpointer:
             for name, source in (extra_dirs or {}).items():
                 _link_or_copy_tree(Path(source), tmp / name)
             write_durable(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1) + "\n")
-            manifest = json.dumps(_build_manifest(tmp, step, optimizer is not None, ref_model is not None,
-                                                push_model is not None), indent=1) + "\n"
+            manifest = json.dumps(_build_manifest(tmp, step, has_optimizer, has_ref_model, has_push_model),
+                                  indent=1) + "\n"
             write_durable(tmp / MANIFEST, manifest)
             write_durable(tmp / COMPLETE, hashlib.sha256(manifest.encode()).hexdigest() + "\n")
             fsync_dir(tmp)
@@ -386,7 +421,18 @@ class Checkpointer:
             self._prune()
 
         _run_on_rank0(finalize, f"checkpoint save: finalizing {final}")
-        return final
+
+    def room_warning(self, checkpoint_bytes: int) -> Optional[str]:
+        """Why checkpoint.dir cannot hold keep_last + 1 checkpoints of `checkpoint_bytes` each (a save
+        writes the new one before it prunes the oldest), counting the space the ones already there
+        take; None when it can."""
+        wanted = (self.cfg.keep_last + 1) * checkpoint_bytes
+        room = free_bytes(self.dir) + sum(_tree_bytes(p) for p in self.checkpoints())
+        if room >= wanted:
+            return None
+        return (f"checkpoint.dir {self.dir}: {human_bytes(room)} of room holds fewer than checkpoint.keep_last + 1 = "
+                f"{self.cfg.keep_last + 1} checkpoints of this run ({human_bytes(checkpoint_bytes)} each); a save "
+                f"will stop the run on a full disk")
 
     def _prune(self) -> None:
         """Keep the newest keep_last valid checkpoints; delete older step dirs (valid or broken:
@@ -544,6 +590,18 @@ def export_hf(model, tokenizer, src_model_dir, out_dir, dtype=torch.bfloat16) ->
     dtype = _as_dtype(dtype)
     out_dir = Path(out_dir)
     full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    _run_on_rank0(lambda: _write_hf_dir(full_sd, tokenizer, Path(src_model_dir), out_dir, dtype),
-                  f"export_hf to {out_dir}")
+
+    def write() -> None:
+        try:
+            _write_hf_dir(full_sd, tokenizer, Path(src_model_dir), out_dir, dtype)
+        except Exception as e:
+            _rmtree(out_dir.with_name(out_dir.name + ".tmp"))
+            needed = sum(v.numel() * (dtype.itemsize if v.is_floating_point() else v.element_size())
+                         for v in full_sd.values())
+            full = no_space(e, out_dir, needed)
+            if full is not None:
+                raise full from None
+            raise
+
+    _run_on_rank0(write, f"export_hf to {out_dir}")
     return out_dir

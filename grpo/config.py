@@ -127,9 +127,28 @@ def _build(cls: type, data: dict, source: str, prefix: str = "") -> Any:
         raise ConfigError(f"{source}: {prefix}{e}") from None
 
 
-def _parse_override_value(text: str) -> Any:
+def yaml_error(where: str, e: yaml.YAMLError, columns_only: bool = False) -> ConfigError:
+    """PyYAML's several-line report (its marks name `<unicode string>`) as one line naming `where`,
+    then the line and column of the problem (only the column for a one-line override value)."""
+    def at(mark) -> str:
+        return f"column {mark.column + 1}" if columns_only else f"line {mark.line + 1}, column {mark.column + 1}"
+
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if not problem:
+        return ConfigError(f"{where}: not valid YAML: {' '.join(str(e).split())}")
+    text = f"{where}: not valid YAML at {at(mark)}: {problem}" if mark else f"{where}: not valid YAML: {problem}"
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context:
+        text += f" ({context}" + (f" from {at(context_mark)})" if context_mark else ")")
+    return ConfigError(" ".join(text.split()))
+
+
+def _parse_override_value(text: str, item: str) -> Any:
     # YAML gives the natural reading of `1e-6`, `true`, `null`, `[1, 2]`; a bare word stays a string.
-    value = yaml.safe_load(text)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise yaml_error(f"command line: {item}", e, columns_only=True) from None
     if isinstance(value, str):
         try:
             return float(value) if value.strip().lower() not in ("nan", "inf", "-inf") else value
@@ -151,7 +170,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"command line: {key}: {p} is a value, not a section")
             node = child
-        node[parts[-1]] = _parse_override_value(text)
+        node[parts[-1]] = _parse_override_value(text, item)
     return data
 
 
@@ -175,7 +194,7 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     try:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        raise yaml_error(source, e) from None
     if loaded is None:
         loaded = {}
     if not isinstance(loaded, dict):

@@ -1,23 +1,93 @@
 """Filesystem helpers for what must survive a crash: durable writes, atomic directory replacement,
-file hashes. Used by checkpoints, weight pushes, model building and the server.
+file hashes, a full disk said in one line. Used by checkpoints, weight pushes, rollout recording,
+model building and the server.
 
 A directory appears complete or not at all: it is written under a temporary name, its files and
 itself fsynced, then renamed into place (rename is atomic within a filesystem), and the parent
-fsynced so the rename itself is durable.
+fsynced so the rename itself is durable. A write that finds its filesystem full leaves the
+previous complete one as it was and raises NoSpaceError, naming the path and the space it needed.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 HASH_ALGOS = ("sha256", "blake3")
 
 
 class HashError(ValueError):
     """An unknown or unavailable hash algorithm."""
+
+
+class NoSpaceError(OSError):
+    """A write that found its filesystem full (or its quota spent); the message names the path,
+    the space the write needed and what was free."""
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged writer may still write on the filesystem of `path` (or of its nearest
+    existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _says_full(error: BaseException) -> bool:
+    """Whether `error`, or one it wraps (its cause, its context, DCP's per-rank failures), is ENOSPC
+    or EDQUOT; libraries that drop the errno (safetensors' Rust writer) still say it in words."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if getattr(e, "errno", None) in _FULL or "No space left on device" in str(e) or "os error 28" in str(e):
+            return True
+        todo += [e.__cause__, e.__context__]
+        todo += [failure[0] for failure in getattr(e, "failures", {}).values()]  # DCP's CheckpointException
+    return False
+
+
+def no_space(error: BaseException, path: str | os.PathLike, needed: int,
+             errno_lost: bool = False) -> Optional[NoSpaceError]:
+    """`error` as a NoSpaceError naming `path` and the `needed` bytes, when it came from a full
+    filesystem: an ENOSPC / EDQUOT in it, or, for a writer that loses the errno (errno_lost: DCP's
+    stream writer says "unexpected pos"), less space left there than the whole write needed.
+    None for any other error."""
+    free = free_bytes(path)
+    if not (_says_full(error) or (errno_lost and free < needed)):
+        return None
+    return NoSpaceError(f"{path}: no space left on device: the write needs {human_bytes(needed)}, "
+                        f"{human_bytes(free)} is free there")
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Reserve `size` bytes for the open file `fd` (ENOSPC now, where the filesystem is full).
+    Without it, a memory-mapped write into a full tmpfs is no error but a SIGBUS that kills the
+    process. A filesystem without fallocate is left to fail at the write."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
 
 
 def fsync_file(path: str | os.PathLike) -> None:

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from grpo.fsutil import fsync_dir, write_durable
+from grpo.serving.client import SCORE_MAX_TOKENS
 
 PROBE_FILE = "parity_probe.json"
 FORMAT = "grpo-parity-probe/1"
@@ -52,6 +53,9 @@ class ParityConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "sequences" else 1):
                 bound = ">= 0 (0: no probe)" if name == "sequences" else ">= 1"
                 raise ValueError(f"{name}: must be an integer {bound}, got {value!r}")
+        if self.sequences * self.max_tokens > SCORE_MAX_TOKENS:
+            raise ValueError(f"sequences x max_tokens: {self.sequences} x {self.max_tokens} probe tokens, more than "
+                             f"the server scores in one request ({SCORE_MAX_TOKENS})")
         for name in ("threshold", "warn_kl"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

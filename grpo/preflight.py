@@ -237,7 +237,8 @@ def check_training(args, prompts_fit: Callable) -> int:
 
     report.step("prompts", prompts, cfg, problems, eval_problems, tokenizer)
     if cfg is not FAILED and cfg.replay:
-        report.step("replay", lambda: (None, _replay(RecordedStream, cfg)), cfg)
+        report.step("replay", lambda: (None, _replay(RecordedStream, cfg, model_dir, tokenizer)), cfg, model_dir,
+                    tokenizer)
     return report.finish()
 
 
@@ -247,9 +248,13 @@ def _plan(cfg, args) -> tuple[int, str]:
     return world, f"{counted}: {line}"
 
 
-def _replay(recorded_stream, cfg) -> str:
-    recorded_stream(cfg.replay).check_covers(cfg.grpo.S, cfg.grpo.M)
-    return f"{cfg.replay} holds every batch of S={cfg.grpo.S} x M={cfg.grpo.M}"
+def _replay(recorded_stream, cfg, model_dir: str, tokenizer) -> str:
+    """The checks a replay makes before its first step (grpo.recording.RecordedStream.check)."""
+    from grpo.recording import model_and_tokenizer
+
+    recorded_stream(cfg.replay).check(cfg, model_and_tokenizer(model_dir, tokenizer))
+    return (f"{cfg.replay} holds every batch of S={cfg.grpo.S} x M={cfg.grpo.M}, made with this model and "
+            f"tokenizer, each readable and whole")
 
 
 def longest_prompt(tokenizer, problems: list, data: DataConfig) -> int:

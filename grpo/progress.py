@@ -17,13 +17,15 @@ class Progress:
     weights_version: int = 0  # the version alpha the server serves (0: the model directory = pi_theta_0)
     weights_dir: Optional[str] = None  # where alpha's weights were written (None: the model directory)
     nan_skips: int = 0  # optimizer steps skipped for a non-finite gradient
+    nan_streak: int = 0  # of those, the ones in a row up to this step (optim.max_consecutive_skips bounds it)
     # `step` when weights_version was pushed (version 0, the model directory, is alpha from step 0);
     # None: unknown, in a checkpoint written before this field, until the next push
     pushed_at_step: Optional[int] = 0
 
     def after_step(self, finite: bool) -> "Progress":
         """One optimizer step attempted (a non-finite gradient skips the update but counts)."""
-        return replace(self, step=self.step + 1, nan_skips=self.nan_skips + (not finite))
+        return replace(self, step=self.step + 1, nan_skips=self.nan_skips + (not finite),
+                       nan_streak=0 if finite else self.nan_streak + 1)
 
     def after_push(self, version: int, weights_dir: str) -> "Progress":
         """alpha <- pi_theta: the server now serves `version`, pushed at this step."""

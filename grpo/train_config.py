@@ -66,6 +66,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm (0: off)
+    max_consecutive_skips: int = 5  # optimizer steps in a row skipped for a non-finite gradient before the run stops (0: the first stops it)
     warmup_steps: int = 0  # linear warmup (optimizer steps)
     schedule: Literal["constant", "cosine"] = "constant"  # after warmup
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
@@ -77,6 +78,8 @@ class OptimConfig:
             raise ValueError(f"lr: must be > 0, got {self.lr}")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip: must be >= 0, got {self.grad_clip}")
+        if isinstance(self.max_consecutive_skips, bool) or self.max_consecutive_skips < 0:
+            raise ValueError(f"max_consecutive_skips: must be an integer >= 0, got {self.max_consecutive_skips!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -37,11 +37,11 @@ import torch  # noqa: E402
 
 from grpo.batching import collate  # noqa: E402
 from grpo.config import ConfigError, load_config  # noqa: E402
-from grpo.models import load_model  # noqa: E402
-from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
+from grpo.models import load_model, load_tokenizer  # noqa: E402
 from grpo.objective import finalize_stats, local_denominators, token_weights  # noqa: E402
 from grpo.policy import ObjectiveInputs, Policy  # noqa: E402
-from grpo.recording import RecordedStream, ReplayError  # noqa: E402
+from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
+from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
 
 
@@ -116,6 +116,7 @@ def compare(run_dir: Path, base: TrainConfig, objectives: list[tuple[str, TrainC
     """A row per batch and objective; with `follow` (the recorded run's config) the parameters move
     along that run's updates (Follower) and each row holds the batch's alpha_lag_steps."""
     stream = RecordedStream(run_dir)
+    stream.check_batches(sorted(stream.files), base, model_and_tokenizer(model_path, load_tokenizer(model_path)))
     lm = load_model(model_path, dtype=torch.float32)
     policy = Policy(lm, base.grpo.temperature, base.kernels)
     follower = Follower(policy, follow, model_path) if follow is not None else None

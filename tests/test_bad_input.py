@@ -100,3 +100,22 @@ def test_hub_id_in_the_hf_cache_resolves_to_its_snapshot(model_dir, tmp_path, mo
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     assert Path(resolve_model_path("acme/tiny")) == snap
+
+
+@pytest.mark.parametrize("text, overrides, expected", [
+    ("grpo:\n  v: 2\n  i: [1, 2\nlog:\n  run_name: x\n", [], "bad.yaml: not valid YAML at line 4, column 4: "
+                                                             "expected ',' or ']', but got ':'"),
+    ("grpo:\n\tv: 2\n", [], "bad.yaml: not valid YAML at line 2, column 1: found character '\\t'"),
+    ("grpo:\n  v: 2\n", ["grpo.i=[1,"], "command line: grpo.i=[1,: not valid YAML at column 4"),
+], ids=["unclosed list", "tab", "override"])
+def test_a_yaml_syntax_error_is_one_line_naming_file_line_and_column(tmp_path, capsys, text, overrides, expected):
+    """PyYAML's own report is 7 lines whose marks name `<unicode string>`: one line instead, naming
+    the file (or the override), the line and the column; exit 2 before anything is loaded."""
+    import train
+
+    (tmp_path / "bad.yaml").write_text(text)
+    assert train.main(["--config", str(tmp_path / "bad.yaml"), *overrides]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("config error: "), err
+    assert expected in lines[0], lines[0]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo.recording import record_batch
+from grpo.models import load_tokenizer
+from grpo.recording import model_and_tokenizer, record_batch
 from test_missing_stats import config, rollout_of
 from tiny_models import make_tiny_model_dir
 
@@ -22,8 +23,9 @@ def recorded(tmp_path):
     model = make_tiny_model_dir(tmp_path / "tiny", arch="qwen2")
     run = tmp_path / "run"
     cfg = config(B=2, G=4)
+    made_with = model_and_tokenizer(model, load_tokenizer(model))
     for k in range(3):
-        record_batch(run, 0, k, 100 + k, rollout_of(cfg, reward=lambda j: float((j + k) % 2), seed=100 + k))
+        record_batch(run, 0, k, 100 + k, rollout_of(cfg, reward=lambda j: float((j + k) % 2), seed=100 + k), made_with)
     (run / "config.yaml").write_text(f"model:\n  path: {model}\n  dtype: float32\ngrpo:\n  G: 4\n  batch_prompts: 2\n"
                                      f"  max_new_tokens: 8\noptim:\n  lr: 1.0e-2\nkernels:\n  backend: torch\n")
     return run

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -39,7 +40,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
     # SIGKILL torchrun, the trainer and the server: no handler runs, nothing is cleaned up.
     import psutil
     tree = psutil.Process(victim.pid)
-    for p in [tree, *tree.children(recursive=True)]:
+    killed = [tree, *tree.children(recursive=True)]
+    for p in killed:
         try:
             p.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
@@ -47,10 +49,15 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
     victim.wait()
     assert not (tmp_path / "crash" / "final").exists()  # it really died mid-run
     assert (tmp_path / "crash" / "checkpoints" / "step_2").is_dir()
+    # the killed trainer's private weights root (in /dev/shm where it has room, else the run directory)
+    roots = [r for p in killed for parent in (Path("/dev/shm"), tmp_path / "crash")
+             for r in parent.glob(f"grpo-weights-crash-p{p.pid}s*")]
+    assert len(roots) == 1, roots  # left behind, as SIGKILL leaves it
 
     resumed = subprocess.run(train_cmd(1, model_dir, tmp_path, "crash", *common, "--resume"), cwd=ROOT,
                              env=env(), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert not roots[0].exists()  # reclaimed by the resumed run: its owner is gone
     a = {r["step"]: r for r in read_rows(tmp_path / "full") if "loss" in r}
     b = {r["step"]: r for r in read_rows(tmp_path / "crash") if "loss" in r}
     assert sorted(b) == [1, 2, 3, 4]  # step 3's first attempt was truncated away on resume

@@ -89,6 +89,10 @@ def test_rows_carry_the_lag_under_bound():
 # rollout recording
 
 
+# what the batches below were made with: a model and tokenizer of the recording's metadata
+MADE_WITH = {"model": json.dumps({"model_type": "qwen2", "vocab_size": 64}), "tokenizer": "0" * 64}
+
+
 def batch(seed: int = 5, version: int = 0):
     """A batch with signal (rewards alternate), a truncated sequence per group, log-probs that are
     not float32 numbers."""
@@ -103,10 +107,12 @@ def test_save_rollouts_is_off_by_default_and_a_bool():
 
 def test_a_recorded_batch_reads_back_as_exactly_its_samples(tmp_path):
     rollout = batch(seed=77, version=4)
-    path = record_batch(tmp_path, 1, 12, 77, rollout)
+    path = record_batch(tmp_path, 1, 12, 77, rollout, MADE_WITH)
     assert path == tmp_path / "rollouts" / "batch-s0001-k000012.parquet" == batch_path(tmp_path, 1, 12)
     table = pq.read_table(path)
-    assert table.schema.equals(SCHEMA, check_metadata=True)
+    assert table.schema.equals(SCHEMA)
+    # what the numbers mean travels with them: the format, the model and the tokenizer they were made with
+    assert table.schema.metadata == {b"format": b"grpo-rollouts/2", **{k.encode(): v.encode() for k, v in MADE_WITH.items()}}
     rows = table.to_pylist()
     assert len(rows) == len(rollout.samples) == 12
     for row, s in zip(rows, rollout.samples):
@@ -123,14 +129,14 @@ def test_a_recorded_batch_reads_back_as_exactly_its_samples(tmp_path):
 
 
 def test_a_killed_writer_leaves_a_temp_file_that_no_reader_sees_and_the_next_write_replaces(tmp_path, monkeypatch):
-    record_batch(tmp_path, 0, 0, 1, batch(1))
+    record_batch(tmp_path, 0, 0, 1, batch(1), MADE_WITH)
 
     def killed(path):  # the process dies after writing the temporary file, before the rename
         raise KeyboardInterrupt
 
     monkeypatch.setattr(recording, "fsync_file", killed)
     with pytest.raises(KeyboardInterrupt):
-        record_batch(tmp_path, 0, 1, 2, batch(2))
+        record_batch(tmp_path, 0, 1, 2, batch(2), MADE_WITH)
     monkeypatch.undo()
     directory = tmp_path / "rollouts"
     tmp = directory / ".batch-s0000-k000001.parquet.tmp"
@@ -138,7 +144,7 @@ def test_a_killed_writer_leaves_a_temp_file_that_no_reader_sees_and_the_next_wri
     tmp.write_bytes(tmp.read_bytes()[:100])  # and torn: not even a Parquet file
     assert [t.column("iteration")[0].as_py() for t in read_rollouts(tmp_path)] == [0]
     assert ds.dataset(directory, format="parquet").to_table().num_rows == 12  # a dataframe reader of the directory
-    record_batch(tmp_path, 0, 1, 2, batch(2))
+    record_batch(tmp_path, 0, 1, 2, batch(2), MADE_WITH)
     assert not tmp.exists() and sorted(p.name for p in directory.iterdir()) == [
         "batch-s0000-k000000.parquet", "batch-s0000-k000001.parquet"]
     assert [t.column("seed")[0].as_py() for t in read_rollouts(tmp_path)] == [1, 2]
@@ -147,18 +153,18 @@ def test_a_killed_writer_leaves_a_temp_file_that_no_reader_sees_and_the_next_wri
 def test_a_resumed_run_rewrites_the_batches_after_its_checkpoint_without_duplicate_or_gap(tmp_path):
     seeds = {(s, k): 100 * s + k for s in range(2) for k in range(3)}
     for (s, k), seed in seeds.items():  # the first attempt reached stage 1, iteration 2, then died
-        record_batch(tmp_path, s, k, seed, batch(seed))
+        record_batch(tmp_path, s, k, seed, batch(seed), MADE_WITH)
     (tmp_path / "rollouts" / ".batch-s0001-k000002.parquet.tmp").write_bytes(b"torn")
     # resumed from a checkpoint before stage 0, iteration 2: that batch is sampled again (here from
     # other weights, as when the pushed weights were gone) and overwrites its file; what the first
     # attempt recorded past it is dropped, to be recorded again as the run reaches it
-    record_batch(tmp_path, 0, 2, 999, batch(999, version=7))
+    record_batch(tmp_path, 0, 2, 999, batch(999, version=7), MADE_WITH)
     got = [(t.column("stage")[0].as_py(), t.column("iteration")[0].as_py(), t.column("seed")[0].as_py())
            for t in read_rollouts(tmp_path)]
     assert got == [(0, 0, 0), (0, 1, 1), (0, 2, 999)]
     assert not list((tmp_path / "rollouts").glob(".*"))
     for s, k in [(1, 0), (1, 1), (1, 2)]:
-        record_batch(tmp_path, s, k, seeds[s, k], batch(seeds[s, k]))
+        record_batch(tmp_path, s, k, seeds[s, k], batch(seeds[s, k]), MADE_WITH)
     batches = read_rollouts(tmp_path)
     keys = [(t.column("stage")[0].as_py(), t.column("iteration")[0].as_py()) for t in batches]
     assert keys == sorted(seeds) and len(set(keys)) == len(keys)

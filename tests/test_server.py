@@ -272,6 +272,58 @@ def test_score_refuses_bad_sequences_naming_the_index(server, tiny):
 
 
 @pytest.mark.vllm
+def test_a_score_request_over_the_bound_is_refused_before_any_work(server, tiny):
+    """One /grpo/score request makes the engine run a request per completion token: 100,000 of
+    them kept it busy until a restart. Beyond SCORE_MAX_TOKENS: 413 naming the bound, at once."""
+    from grpo.serving.client import SCORE_MAX_TOKENS
+
+    per = 200
+    sequences = [(tiny["prompt_ids"][0], [7 + t % 50 for t in range(per)])] * (SCORE_MAX_TOKENS // per + 1)
+    t0 = time.monotonic()
+    with pytest.raises(InferenceServerError) as e:
+        server.client.request("POST", "/grpo/score", timeout=30, retry=False, json_body={
+            "sequences": [{"prompt_token_ids": p, "completion_token_ids": c} for p, c in sequences],
+            "temperature": 1.0})
+    assert e.value.status == 413 and time.monotonic() - t0 < 10
+    assert f"score request of {len(sequences) * per} completion tokens is larger than the server takes " \
+           f"({SCORE_MAX_TOKENS} per request" in str(e.value)
+
+
+@pytest.mark.vllm
+def test_a_score_whose_client_hung_up_stops_and_lets_the_next_push_through(server, tiny):
+    """A request holds the read side of the version gate while it runs, so a push waits for it.
+    A client that hangs up no longer holds it: its engine requests are aborted within a poll
+    (DISCONNECT_POLL_S), and the push goes through. Before, a 45 s request abandoned after 3 s
+    delayed the next push by 44 s."""
+    from grpo.serving.client import SCORE_MAX_TOKENS
+
+    version = _push_next(server, _perturbed(tiny["hf"], seed=23))
+    prompt = tiny["prompt_ids"][0]
+    sequences = 6  # of 100 tokens: some seconds on a CPU; more where the engine is faster
+    while True:
+        body = {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
+                                                                                   for t in range(100)]}
+                              for j in range(sequences)], "temperature": 1.0}
+        t0 = time.monotonic()
+        server.client.request("POST", "/grpo/score", json_body=body)
+        whole = time.monotonic() - t0  # what the request takes when its client waits
+        if whole > 4 or sequences == SCORE_MAX_TOKENS // 100:
+            break
+        sequences = min(int(sequences * 5 / whole) + 1, SCORE_MAX_TOKENS // 100)
+    assert whole > 4, f"{sequences * 100} positions take {whole:.1f} s: too short to tell a stopped request from a done one"
+    with pytest.raises(ServerUnavailableError, match="no answer within"):
+        server.client.request("POST", "/grpo/score", json_body=body, timeout=1.0, retry=False)  # hangs up after 1 s
+    t1 = time.monotonic()
+    assert server.push(_perturbed(tiny["hf"], seed=24), version + 1, step=1)["version"] == version + 1
+    waited = time.monotonic() - t1
+    print(f"score of {sequences * 100} positions: {whole:.2f} s; a push after hanging up on it at 1 s: {waited:.2f} s")
+    assert waited < whole / 2, f"the push waited {waited:.1f} s behind an abandoned request of {whole:.1f} s"
+    t2 = time.monotonic()  # and the engine is free: a small request is answered at once
+    assert len(server.score([(prompt, [7, 8, 9])], temperature=1.0).logprobs[0]) == 3
+    assert time.monotonic() - t2 < whole / 2
+
+
+@pytest.mark.vllm
 def test_seeded_batches_repeat_exactly(server, tiny):
     """A seeded batch depends only on (weights, prompts, seed), whatever ran before it."""
     def sample(seed):
@@ -776,6 +828,32 @@ def test_server_killed_before_a_push_is_restarted_by_the_push(server, tiny):
     assert server.client.weights_version() == current + 1
     assert _greedy(server.client, tiny["prompt_ids"])[0] == _hf_greedy(
         tiny["hf"], sd, tiny["prompt_ids"], 12, tiny["tok"].eos_token_id)
+
+
+@pytest.mark.vllm
+def test_a_push_that_finds_the_disk_full_leaves_the_old_version_serving(server, tiny, tmp_path):
+    """The trainer's side of a push (bytes mode: written in its run directory first) on a full disk
+    (a small tmpfs, tests/test_full_disk.py): NoSpaceError naming the directory and the bytes it
+    needed; the server serves and generates the version before; freed, the same push lands."""
+    from grpo.fsutil import NoSpaceError
+    from test_full_disk import SmallDisk
+
+    disk = SmallDisk(tmp_path / "small")
+    run_dir = disk.mount(1 << 20)  # the tiny model's push is 1.6 MB in fp32
+    try:
+        version = _push_next(server, _perturbed(tiny["hf"], seed=21))
+        before = _greedy(server.client, tiny["prompt_ids"])
+        trainer = InferenceServer(dataclasses.replace(server.cfg, url=server.url, push_mode="bytes"), server.client,
+                                  tiny["model_dir"], run_dir, weights_root=None)
+        sd = _perturbed(tiny["hf"], seed=22)
+        with pytest.raises(NoSpaceError, match=f"^{run_dir}/weights/weights-v{version + 1:08d}: no space left on "
+                                               f"device: the write needs 1.6 MiB, "):
+            trainer.push(sd, version + 1, step=1)
+        assert server.weights_version() == version and _greedy(server.client, tiny["prompt_ids"]) == before
+        disk.remount(8 << 20)
+        assert trainer.push(sd, version + 1, step=1)["version"] == version + 1 == server.weights_version()
+    finally:
+        disk.unmount()
 
 
 @pytest.mark.vllm

@@ -27,6 +27,9 @@ import requests
 from grpo.serving.weights_dir import MANIFEST_NAME
 
 TRANSIENT_STATUS = (502, 503, 504)
+# The most completion tokens one score() request may ask for: the server makes one engine request
+# of each, and answers 413 beyond it (grpo/serving/routes.py; the parity probe is checked against it).
+SCORE_MAX_TOKENS = 16384
 
 
 @dataclass

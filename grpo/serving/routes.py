@@ -4,13 +4,16 @@
   GET  /grpo/weights_version open; {"weights_version", "step", "dir"}
   POST /grpo/generate        B prompts (token ids) x n samples -> token ids, log-probs, finish reasons
   POST /grpo/score           (prompt, completion) token ids -> each completion token's log-prob, as sampled
+                             (at most SCORE_MAX_TOKENS completion tokens a request: 413 beyond)
   POST /grpo/weights         {"path", "version"}: load a directory written by the trainer's writer
   POST /grpo/weights/upload  ?version=&step=&hash=&digest=, body = the safetensors bytes (no shared fs)
 
 Each route is one method of `Routes`; what they share is the engine's weights state
-(grpo/serving/engine_weights.py).
+(grpo/serving/engine_weights.py). A generate or score request whose client hangs up is cancelled
+(its engine requests aborted), so it holds neither the engine nor the version gate a push waits on.
 """
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -24,10 +27,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from grpo.fsutil import HashError, new_hasher
+from grpo.serving.client import SCORE_MAX_TOKENS
 from grpo.serving.engine_weights import WeightsState
 from grpo.serving.weights_check import check_weights_dir
 from grpo.serving.weights_dir import (MANIFEST_FORMAT, MANIFEST_NAME, WEIGHTS_FILE, WeightPushError, prune_weights,
                                       weights_dir_name)
+
+
+# How often a running request looks whether its client is still there.
+DISCONNECT_POLL_S = 0.2
 
 
 class GenerateRequest(BaseModel):
@@ -118,6 +126,28 @@ async def drain(queue):
             return final
 
 
+class ClientGone(Exception):
+    """The client of a request hung up before its answer was ready."""
+
+
+async def unless_client_gone(request: Optional[Request], work):
+    """await work, cancelled as soon as the client that asked for it has hung up (an abandoned
+    request must not keep the engine, and the version gate, busy). ClientGone then."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if request is not None and await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():  # the client went, or this handler itself was cancelled
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
 class UploadTimeout(Exception):
     def __init__(self, received: int):
         super().__init__(received)
@@ -174,7 +204,7 @@ class Routes:
                         f"exceed max_model_len {self.max_model_len}")
         return None
 
-    async def generate(self, req: GenerateRequest):
+    async def generate(self, req: GenerateRequest, request: Request):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -190,19 +220,22 @@ class Routes:
         except ValueError as e:  # e.g. n > 1 with temperature 0
             return error(400, str(e))
         version, completions = await self.on_one_version(
-            lambda: self.seeded_batch(req, params) if req.seed is not None else self.batch(req, params))
+            lambda: self.seeded_batch(req, params) if req.seed is not None else self.batch(req, params), request)
         if isinstance(completions, JSONResponse):
             return completions
         return {"completions": completions, "weights_version": version, "engine": self.control.batch_figures()}
 
-    async def on_one_version(self, work) -> tuple[int, object]:
+    async def on_one_version(self, work, request: Optional[Request] = None) -> tuple[int, object]:
         """(the weights version, await work()) with every engine call of `work` on that version: the
         read side of the push gate is held, so a push waits for it. A request the engine refuses
-        gives (version, a 400 reply), an engine that died under it (version, a 503 reply)."""
+        gives (version, a 400 reply), an engine that died under it (version, a 503 reply), a client
+        that hung up (version, a 499 reply nobody reads: its work was cancelled, the gate let go)."""
         async with self.state.gate.reading():
             version = self.state.version  # fixed while we read: a push waits for us
             try:
-                return version, await work()
+                return version, await unless_client_gone(request, work())
+            except ClientGone:
+                return version, error(499, "the client closed the connection; its request was stopped")
             except ValueError as e:
                 return version, error(400, str(e))
             except Exception as e:
@@ -237,7 +270,11 @@ class Routes:
                           for i, ids in enumerate(req.prompt_token_ids)]
             finally:
                 await self.engine.resume_generation()
-            finals = await asyncio.gather(*(drain(q) for q in queues))
+            try:
+                finals = await asyncio.gather(*(drain(q) for q in queues))
+            except asyncio.CancelledError:  # requests added this way are not aborted by the engine itself
+                await self.engine.abort([f"grpo-{base}-{i}" for i in range(len(queues))])
+                raise
         return [to_samples(final) for final in finals]
 
     # -- scoring
@@ -255,7 +292,7 @@ class Routes:
                         f"completion tokens exceed max_model_len {self.max_model_len}")
         return None
 
-    async def score(self, req: ScoreRequest):
+    async def score(self, req: ScoreRequest, request: Request):
         """log alpha(c_t | prompt, c_<t) for every completion token c_t, as the engine's sampler
         computes it for a token it samples: log softmax(logits / T) after top-k/top-p (-inf, sent
         as null, outside the kept set; T = 0: the plain log-softmax). The reply's engine_requests
@@ -269,6 +306,10 @@ class Routes:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        tokens = sum(len(seq.completion_token_ids) for seq in req.sequences)
+        if tokens > SCORE_MAX_TOKENS:
+            return error(413, f"score request of {tokens} completion tokens is larger than the server takes "
+                              f"({SCORE_MAX_TOKENS} per request, one engine request each): split it")
         refused = self.refuse_sequences(req)
         if refused:
             return error(400, refused)
@@ -281,7 +322,7 @@ class Routes:
         base = uuid.uuid4().hex
         per_sequence = req.temperature == 1.0 and req.top_p == 1.0 and req.top_k <= 0
 
-        async def request(key: str, prompt: list[int], params):
+        async def finished(key: str, prompt: list[int], params):
             final = None
             async for out in self.engine.generate({"prompt_token_ids": prompt}, params, f"grpo-score-{base}-{key}"):
                 final = out
@@ -292,7 +333,7 @@ class Routes:
             token it samples is thrown away; prefix caching shares the sequence's prefix)."""
             seq = req.sequences[i]
             token = seq.completion_token_ids[t]
-            final = await request(f"{i}-{t}", seq.prompt_token_ids + seq.completion_token_ids[:t],
+            final = await finished(f"{i}-{t}", seq.prompt_token_ids + seq.completion_token_ids[:t],
                                   SamplingParams(**common, logprob_token_ids=[token]))
             return scored_logprob(final, token)
 
@@ -301,7 +342,7 @@ class Routes:
             token from the sampler's position after it (so a sequence that fills max_model_len fits)."""
             seq = req.sequences[i]
             *head, last = seq.completion_token_ids
-            final = await request(str(i), seq.prompt_token_ids + head,
+            final = await finished(str(i), seq.prompt_token_ids + head,
                                   SamplingParams(**common, logprob_token_ids=[last], prompt_logprobs=0))
             return prompt_logprobs(final, len(seq.prompt_token_ids), head) + [scored_logprob(final, last)]
 
@@ -318,7 +359,7 @@ class Routes:
                 k += len(seq.completion_token_ids)
             return out
 
-        version, logprobs = await self.on_one_version(every_position)
+        version, logprobs = await self.on_one_version(every_position, request)
         if isinstance(logprobs, JSONResponse):
             return logprobs
         requests = len(req.sequences) if per_sequence else sum(len(s.completion_token_ids) for s in req.sequences)

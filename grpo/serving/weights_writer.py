@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from grpo.fsutil import fsync_dir, fsync_file, new_hasher, replace_dir
+from grpo.fsutil import fsync_dir, fsync_file, new_hasher, no_space, preallocate, replace_dir
 from grpo.models import drop_tied_lm_head
 from grpo.serving.weights_dir import (MANIFEST_FORMAT, MANIFEST_NAME, ST_DTYPES, WEIGHTS_FILE, WeightPushError,
                                       config_sources, take_spare, weights_dir_name)
@@ -77,7 +77,8 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch
 
     reuse: an existing file of ours (a spare, see take_spare) moved to `path` and overwritten in
     place, resized to fit: its pages are already allocated, which on tmpfs is most of a write's
-    cost. The mapping is populated in one call (MAP_POPULATE) rather than page by page.
+    cost. The mapping is populated in one call (MAP_POPULATE) rather than page by page. The file's
+    space is reserved before the mapping: an OSError (ENOSPC) when the filesystem cannot hold it.
     """
     header = _header_bytes(tensors, dtype, metadata or {"format": "pt"})
     total = len(header) + sum(t.numel() * _stored_dtype(t, dtype).itemsize for t in tensors.values())
@@ -91,6 +92,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, total)
+        preallocate(fd, total)  # a full filesystem is an error here, not a SIGBUS in the copy
         with mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as mm:
             view = memoryview(mm)
 
@@ -174,7 +176,11 @@ def write_weights(state_dict: dict[str, torch.Tensor], model_dir_or_config: str 
         # Atomic: a reader sees no directory or a complete one. A run resumed from a checkpoint may
         # write a version again: the older directory is replaced.
         replace_dir(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        needed = sum(t.numel() * _stored_dtype(t, dtype).itemsize for t in tensors.values())  # + a header of KBs
+        full = no_space(e, final, needed + sum(map(len, configs.values())))
+        if full is not None:
+            raise full from None
         raise
     return final

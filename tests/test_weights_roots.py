@@ -1,0 +1,38 @@
+"""A run's private weights root (grpo/serving/inference.py, in /dev/shm when it has room) is removed
+when its server stops; a SIGKILLed run cannot remove it, and before, each such crash left one
+behind: gigabytes of RAM per crash with a real model. A root's name now holds its owner (pid and
+start time), and making the next root reclaims those whose owner is gone."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from grpo.serving.inference import _private_root
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_root_whose_owner_is_gone_is_reclaimed_when_the_next_is_made(tmp_path):
+    parent = tmp_path / "shm"
+    # a run's root, made by a process that then died without cleaning up (as a SIGKILLed trainer leaves it)
+    made = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from grpo.serving.inference "
+                           "import _private_root; print(_private_root(Path(sys.argv[1]), 'crash'))", str(parent)],
+                          cwd=ROOT, capture_output=True, text=True, check=True)
+    dead = Path(made.stdout.strip())
+    (dead / "weights-v00000001").mkdir()
+    (dead / "weights-v00000001" / "model.safetensors").write_bytes(b"\0" * 4096)
+    alive = _private_root(parent, "running")  # this process's: its owner runs
+    reused = parent / f"grpo-weights-old-p{os.getpid()}s1-abcdefgh"  # a pid that now names another process
+    reused.mkdir()
+    gone = dead.name.split("-p")[-1].split("s")[0]  # the dead owner's pid: only what they are keeps these
+    kept = {"another name": parent / "grpo-weights-crash-abcd1234", "a file": parent / f"grpo-weights-x-p{gone}s1-abcdefgh"}
+    kept["another name"].mkdir()
+    kept["a file"].write_text("not a root")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (parent / f"grpo-weights-y-p{gone}s1-abcdefgh").symlink_to(target)  # a link: never followed
+
+    new = _private_root(parent, "next")
+    assert not dead.exists() and not reused.exists()
+    assert alive.is_dir() and new.is_dir() and target.is_dir() and all(p.exists() for p in kept.values())
+    assert new.name.startswith(f"grpo-weights-next-p{os.getpid()}s")
