@@ -69,8 +69,8 @@ def t_quantile(p: float, df: int) -> float:
     def cdf(x: float) -> float:  # P(T <= x) for x >= 0
         n = 2000
         h = x / n
-        total = sum((1 if j in (0, n) else 4 if j % 2 else 2) * math.exp(log_c - (df + 1) / 2 * math.log1p((j * h) ** 2 / df))
-                    for j in range(n + 1))
+        density = [math.exp(log_c - (df + 1) / 2 * math.log1p((j * h) ** 2 / df)) for j in range(n + 1)]
+        total = sum((1 if j in (0, n) else 4 if j % 2 else 2) * f for j, f in enumerate(density))
         return 0.5 + total * h / 3
 
     lo, hi = 0.0, 1.0
@@ -497,7 +497,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     seeds = sorted({s for p in points.values() for s in p})
     runs_done = sum(len(p) for p in points.values())
-    wall = sum(wall_minutes(Path(d), m) for d, m in [(args.sweep, manifest)] + ([(args.vsweep, vs_manifest)] if vs_manifest else []))
+    sweeps_run = [(args.sweep, manifest)] + ([(args.vsweep, vs_manifest)] if vs_manifest else [])
+    wall = sum(wall_minutes(Path(d), m) for d, m in sweeps_run)
     command = "python scripts/fig2_report.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     page = [
         "# The CPU replica of Fig. 2: verdicts",
@@ -531,7 +532,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "",
         plot.sweep_table(sweep_dir, manifest, points),
         "",
-        f"## Inside a v-window: v10-i1 by lag",
+        "## Inside a v-window: v10-i1 by lag",
         "",
         "Per lag (the iteration's place in its window: optimizer steps since the push that sampled its batch), "
         "each seed's mean over its windows, then mean +- std over seeds. `tv_pik_alpha` is the drift term "

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import fig2_report as report  # noqa: E402
 
-POINTS = {"v1-i1": ["eval_every=5"], "v1-i1-mask": ["objective.mask_zero_variance=true"], "v10-i1": ["grpo.v=10", "eval_every=10"],
-          "v1-i10": ["grpo.i=10", "grpo.M=5", "eval_every=1"]}
+POINTS = {"v1-i1": ["eval_every=5"], "v1-i1-mask": ["objective.mask_zero_variance=true"],
+          "v10-i1": ["grpo.v=10", "eval_every=10"], "v1-i10": ["grpo.i=10", "grpo.M=5", "eval_every=1"]}
 STEPS = {"v1-i1": range(0, 51, 5), "v1-i1-mask": range(0, 51, 5), "v10-i1": range(0, 51, 10), "v1-i10": range(0, 51, 10)}
 
 

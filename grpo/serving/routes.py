@@ -334,7 +334,7 @@ class Routes:
             seq = req.sequences[i]
             token = seq.completion_token_ids[t]
             final = await finished(f"{i}-{t}", seq.prompt_token_ids + seq.completion_token_ids[:t],
-                                  SamplingParams(**common, logprob_token_ids=[token]))
+                                   SamplingParams(**common, logprob_token_ids=[token]))
             return scored_logprob(final, token)
 
         async def whole_sequence(i: int) -> list[Optional[float]]:
@@ -343,7 +343,7 @@ class Routes:
             seq = req.sequences[i]
             *head, last = seq.completion_token_ids
             final = await finished(str(i), seq.prompt_token_ids + head,
-                                  SamplingParams(**common, logprob_token_ids=[last], prompt_logprobs=0))
+                                   SamplingParams(**common, logprob_token_ids=[last], prompt_logprobs=0))
             return prompt_logprobs(final, len(seq.prompt_token_ids), head) + [scored_logprob(final, last)]
 
         async def every_position():
