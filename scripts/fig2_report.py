@@ -269,7 +269,9 @@ def point_v(manifest: dict, point: str, base_v: int = 1) -> int:
 
 def by_lag(seeds: dict[int, list[dict]], v: int, keys=LAG_KEYS) -> dict[str, list[tuple[float, float, int]]]:
     """{key: [(mean, std over seeds, seeds) for lag 0..v-1]}: each seed's mean over its windows of
-    the first optimizer step on each batch (lag = the iteration's place in its v-window)."""
+    the first optimizer step on each batch, the lag being the batch's logged alpha_lag_steps (optimizer
+    steps between the push that sampled it and its first step: its place in the window with i = 1).
+    A row without alpha_lag_steps (not known: a resume that lost it) is left out."""
     out = {}
     for key in keys:
         per_lag = []
@@ -277,7 +279,7 @@ def by_lag(seeds: dict[int, list[dict]], v: int, keys=LAG_KEYS) -> dict[str, lis
             per_seed = []
             for rows in seeds.values():
                 vals = [r[key] for r in rows if "loss" in r and r.get("sgd_iteration", 0) == 0
-                        and r.get("iteration", -1) % v == lag and plot.finite(r.get(key))]
+                        and r.get("alpha_lag_steps") == lag and plot.finite(r.get(key))]
                 if vals:
                     per_seed.append(sum(vals) / len(vals))
             mean = sum(per_seed) / len(per_seed) if per_seed else math.nan

@@ -40,7 +40,7 @@ def write_sweep(root: Path, curves: dict, name: str = "fig2") -> Path:
                 if point == "v10-i1" and step < 50:
                     for k in range(step, step + 10):
                         lag = k % 10
-                        rows.append({"step": k + 1, "iteration": k, "sgd_iteration": 0, "loss": 0.0,
+                        rows.append({"step": k + 1, "iteration": k, "sgd_iteration": 0, "loss": 0.0, "alpha_lag_steps": lag,
                                      "weights_version": k // 10, "reward_mean": 0.5, "tv_staleness": 0.01 * lag,
                                      "tv_mismatch": 0.002, "tv_pik_alpha": 0.002 + 0.01 * lag,
                                      "is_weight_ess": 1 - 0.01 * lag, "clip_frac_adv_pos": 0.0,
