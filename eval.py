@@ -31,22 +31,23 @@ from typing import Optional
 
 import yaml
 
-from grpo.serving.client import InferenceServerError
-from grpo.cpu import CPUConfig
-from grpo.serving.inference import InferenceServer, ServerConfig
-from grpo.layout import LayoutError, plan_layout, visible_gpus
-from grpo.config import ConfigError, apply_overrides, load_config, save_config
-from grpo.data import DataConfig, DataError, load_problems
-from grpo.models import ModelPathError, resolve_model_path
-from grpo.evaluation import EvalConfig, evaluate
-from grpo.rewards import RewardConfig, RewardScorer
 from grpo import preflight
+from grpo.config import ConfigError, apply_overrides, load_config, save_config
+from grpo.cpu import CPUConfig
+from grpo.data import DataConfig, DataError, load_problems
+from grpo.evaluation import EvalConfig, evaluate
+from grpo.layout import LayoutError, plan_layout, visible_gpus
+from grpo.models import ModelPathError, resolve_model_path
+from grpo.rewards import RewardConfig, RewardScorer
+from grpo.serving.client import InferenceServerError
+from grpo.serving.inference import InferenceServer, ServerConfig
 
 REPO_ROOT = Path(__file__).resolve().parent
 
 
 @dataclass
 class EvalRunConfig:
+    plugins: list[str] = field(default_factory=list)  # the user's own modules (reward terms: docs/extending.md)
     model: str = ".cache/models/smollm2"  # HF model directory, or a run directory (its final/ or newest export)
     out_dir: Optional[str] = None  # output directory; None = runs/eval/<dataset>-<model>-<YYYYmmdd-HHMMSS>
     data: DataConfig = field(default_factory=DataConfig)  # dataset and prompt format (as in training)

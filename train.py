@@ -12,7 +12,8 @@ for stage s < S:                                   (the reference policy is refr
 
 Rank 0 talks to the server and scores; the batch is broadcast and every rank trains on its share
 (FSDP2). `main` at the bottom is the loop; the functions above it are its steps, and `setup`
-builds everything they use.
+builds everything they use. The off-policy instruments (staleness split, parity probe, recording:
+grpo/instruments.py) are called at the loop's points, as the checkpointer is; they measure, never steer.
 """
 from __future__ import annotations
 
@@ -29,33 +30,31 @@ from typing import Callable, Optional
 
 import torch
 
-from grpo import metrics
+from grpo import metrics, preflight
 from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_batches, group_row_length,
                            group_rows, plan_micro_batches)
 from grpo.checkpoint import CheckpointError, Checkpointer, check_shared_directory, export_hf
 from grpo.config import ConfigError, load_config, save_config, to_dict
-from grpo.fsutil import NoSpaceError
 from grpo.cpu import tune_trainer
 from grpo.cpu.bf16 import multiplies_bf16
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
 from grpo.evaluation import evaluate
+from grpo.fsutil import NoSpaceError
+from grpo.instruments import OffPolicyInstruments, StalenessSplit
+from grpo.kernel_dispatch import check_objective_path
+from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
 from grpo.metrics import MetricsLogger
 from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_model_path
-from grpo import staleness
+from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, logged_stats,
+                            merge_stats, token_weights)
 from grpo.optim import build_optimizer, build_scheduler
-from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
-from grpo.objective import (all_reduce_stats, check_objective_path, contributing, finalize_stats,
-                            local_denominators, merge_stats, token_weights)
 from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
-                           gather_full_state_dict, init_distributed, launch_env, shard_model)
-from grpo.policy import ObjectiveInputs, Policy
-from grpo import preflight
-from grpo.parity import ParityProbe, parity_stats, trainer_logprobs, warn_if_apart
-from grpo.progress import Progress, alpha_lag
-from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer, record_batch
+                           gather_full_state_dict, init_distributed, launch_env, on_main_rank, shard_model)
+from grpo.policy import ObjectiveInputs, Policy, copy_policy
+from grpo.progress import Progress
+from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
-from grpo.serving.client import InferenceServerError
 from grpo.serving.inference import InferenceServer, check_context_fits, serving_dtype
 from grpo.shared_prompt import use_shared_prompt_attention
 from grpo.train_config import TrainConfig
@@ -125,7 +124,7 @@ class StopFlag:
         return all_reduce_max(float(self.requested)) > 0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """Everything the loop uses. server, scorer, sampler and eval_problems live on rank 0 only."""
 
@@ -148,11 +147,7 @@ class Run:
     eval_problems: Optional[list] = None
     sample_ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
     recorded: Optional[RecordedStream] = None  # --replay: the batches a run recorded, in place of the server (rank 0)
-    made_with: Optional[dict] = None  # the model and tokenizer recorded batches are made with (grpo/recording.py; rank 0)
-    # the weights of the last push, frozen: pi_push of grpo/staleness.py (log.split_staleness, v > 1)
-    pushed_policy: Optional[Policy] = None
-    pushed_known: bool = False  # pushed_policy holds the push that alpha is (False after a resume that lost it)
-    probe: Optional[ParityProbe] = None  # the parity probe's sequences, every rank (grpo/parity.py)
+    instruments: OffPolicyInstruments  # staleness split, parity probe, recording (grpo/instruments.py)
 
     def close(self) -> None:
         self.sample_ahead.close()
@@ -162,7 +157,8 @@ class Run:
         if self.scorer is not None:
             self.scorer.close()
         # The sharded models hold the process group: release them so that it is freed here.
-        self.policy = self.ref_policy = self.pushed_policy = self.optimizer = self.scheduler = self.checkpointer = None
+        self.instruments.close()
+        self.policy = self.ref_policy = self.optimizer = self.scheduler = self.checkpointer = None
         close_distributed()
 
 
@@ -208,31 +204,30 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         print(f"[train] objective {cfg.objective.loss} (is_correction {cfg.objective.correction}): "
               f"{objective_path} path", file=sys.stderr)
     ref_policy = build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
-    # staleness needs pi_push on the batches sampled after steps were taken since the push: v > 1
-    keeps_push = cfg.log.split_staleness and cfg.grpo.v > 1 and not cfg.replay
-    pushed_policy = build_policy(cfg, info.device, trainable=False) if keeps_push else None
+    # pi_push, frozen between pushes, for the staleness split of batches sampled before steps were taken
+    pushed_policy = build_policy(cfg, info.device, trainable=False) if OffPolicyInstruments.keeps_push(cfg) else None
     optimizer = build_optimizer(policy, cfg.optim)
-    run = Run(cfg, info, run_dir, tokenizer, policy, ref_policy,
-              optimizer, build_scheduler(optimizer, cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, cfg.optim),
-              checkpointer, MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
-              StopFlag(), serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu), sampler=sampler,
-              eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
-              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, made_with=made_with,
-              pushed_policy=pushed_policy)
+    run = Run(cfg=cfg, dist=info, run_dir=run_dir, tokenizer=tokenizer, policy=policy, ref_policy=ref_policy,
+              optimizer=optimizer,
+              scheduler=build_scheduler(optimizer, cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, cfg.optim),
+              checkpointer=checkpointer, logger=MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
+              stop=StopFlag(), serve_dtype=serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu),
+              sampler=sampler, eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
+              shares_gpu_with_server=layout.shares_gpu, recorded=recorded,
+              instruments=OffPolicyInstruments(cfg, info, run_dir, policy, pushed_policy, tokenizer, made_with))
     room = checkpointer.room_warning(checkpoint_size(run)) if info.is_main else None
     if room:  # a save writes the new checkpoint before it prunes the oldest
         print(f"[train] warning: {room}", file=sys.stderr)
     progress = Progress()
-    if pushed_policy is not None and not resume:  # version 0, served from the model directory, is pi_theta_0
-        copy_policy(pushed_policy, policy)
-        run.pushed_known = True
+    if not resume:
+        run.instruments.start()
     if resume:
         latest = run.checkpointer.latest()
         if latest is None:
             raise SystemExit(f"--resume: no complete checkpoint under {run.checkpointer.dir}")
         saved = run.checkpointer.load(latest, policy, optimizer, ref_policy, push_model=pushed_policy)
-        # saved inside a v-window with its copy of the pushed weights; else the next push makes one
-        run.pushed_known = pushed_policy is not None and Checkpointer.holds_push_model(latest)
+        # saved inside a v-window with its copy of the pushed weights (else the next push makes one); the run's probe
+        run.instruments.resumed(Checkpointer.holds_push_model(latest))
         run.scheduler.load_state_dict(saved["scheduler"])
         progress = Progress.from_json(saved["progress"])
         if (latest / ALPHA_DIR).is_dir():  # saved inside a v-window: alpha's weights travel with it
@@ -240,11 +235,11 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         if info.is_main:
             run.sampler.load_state_dict(saved["sampler"])
         run.logger.truncate_after(progress.step)
-        run.probe = broadcast_probe(saved_probe(cfg, run_dir) if info.is_main else None)  # the run's own tokens
     if info.is_main and not cfg.replay:
         run.scorer = RewardScorer(cfg.reward)
-        run.server = InferenceServer.launch(cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
-                                            gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
+        run.server = run.instruments.server = InferenceServer.launch(
+            cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
+            gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
     # the CPU fence's one hook (nothing off CPU): malloc, the LM head's GEMMs, cores shared with the engine
     tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy, pushed_policy], run.sample_ahead, run.server)
     if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir and not cfg.replay:
@@ -257,7 +252,7 @@ def checkpoint_size(run: Run) -> int:
     pi_ref and pi_push where kept, and (v > 1, saved inside a window) alpha's weights as served."""
     numel = sum(p.numel() for p in run.policy.parameters())  # a DTensor counts its global shape
     theta = sum(p.numel() * p.element_size() for p in run.policy.parameters())
-    frozen = [m for m in (run.ref_policy, run.pushed_policy) if m is not None]
+    frozen = [m for m in (run.ref_policy, run.instruments.pushed_policy) if m is not None]
     alpha = numel * run.serve_dtype.itemsize if run.cfg.grpo.v > 1 and not run.cfg.replay else 0
     return 3 * theta + sum(p.numel() * p.element_size() for m in frozen for p in m.parameters()) + alpha
 
@@ -267,23 +262,6 @@ def shared_run_name(cfg: TrainConfig) -> str:
     ranks that started on either side of a second, or nodes started apart, would otherwise write
     into different run directories."""
     return broadcast_json(cfg.log.run_name)
-
-
-def saved_probe(cfg: TrainConfig, run_dir: Path) -> Optional[ParityProbe]:
-    """The parity probe a resumed run drew before, if drawn with the parity settings it has now
-    (else it is drawn again, from the next probed batch, and the run says so)."""
-    probe = ParityProbe.load(run_dir)
-    if probe is not None and not probe.drawn_with(cfg.parity):
-        print(f"[train] resume: the parity probe in {run_dir} was drawn with other parity settings "
-              f"({probe.settings()}); drawing a new one", file=sys.stderr)
-        return None
-    return probe
-
-
-def broadcast_probe(probe: Optional[ParityProbe]) -> Optional[ParityProbe]:
-    """Rank 0's parity probe on every rank (collective)."""
-    obj = broadcast_json(probe.to_json() if probe is not None else None)
-    return ParityProbe.from_json(obj) if obj is not None else None
 
 
 def named_input(key: str, load):
@@ -330,21 +308,6 @@ def reserve_alpha(run: Run, progress: Progress) -> Progress:
 # ------------------------------------------------------------------------------------------------
 
 
-def on_main_rank(run: Run, work: Callable[[], object]):
-    """work() on rank 0 and its (JSON) result on every rank (collective); a full disk there stops
-    every rank alike, rather than leaving the others waiting for rank 0."""
-    outcome = None
-    if run.dist.is_main:
-        try:
-            outcome = {"result": work()}
-        except NoSpaceError as e:
-            outcome = {"no_space": str(e)}
-    outcome = broadcast_json(outcome)
-    if "no_space" in outcome:
-        raise NoSpaceError(outcome["no_space"])
-    return outcome["result"]
-
-
 def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
     """alpha <- pi_theta: gather the full state dict on rank 0, which the server writes and loads.
     Collective (every rank gathers its shards). Returns the new progress and {bytes, seconds}.
@@ -362,11 +325,9 @@ def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
         reply = run.server.push(full_state, version, step=progress.step)
         return {"bytes": float(reply["bytes"]), "weights_dir": str(reply["weights_dir"])}
 
-    pushed = on_main_rank(run, push)
+    pushed = on_main_rank(run.dist.is_main, push)
     progress = progress.after_push(version, pushed["weights_dir"])
-    if run.pushed_policy is not None:  # pi_push for the staleness split of the window's batches
-        copy_policy(run.pushed_policy, run.policy)
-        run.pushed_known = True
+    run.instruments.after_push()  # pi_push for the staleness split of the window's batches
     return progress, {"bytes": pushed["bytes"], "seconds": time.time() - t0}
 
 
@@ -487,23 +448,23 @@ class BatchCache:
     logp_k: list = field(default_factory=list)  # per micro-batch: pi_k's log-probs (the forward's own)
     logp_ref: list = field(default_factory=list)  # per micro-batch: pi_ref's log-probs (None at beta = 0)
     entropy_sum: Optional[float] = None  # pi_k's entropy summed over the batch's tokens (all ranks)
-    split: dict = field(default_factory=dict)  # alpha vs pi_k as mismatch + staleness (grpo/staleness.py), if known
+    # alpha vs pi_k as engine mismatch + staleness, on the first pass (grpo/instruments.py; the default: none)
+    split: StalenessSplit = field(default_factory=lambda: StalenessSplit(None, None))
 
 
-def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, denominators: tuple[int, int],
-                  push_lagged: Optional[bool] = None) -> tuple[dict[str, torch.Tensor], float]:
+def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
+                  denominators: tuple[int, int]) -> tuple[dict[str, torch.Tensor], float]:
     """One pass over this rank's micro-batches: forward, objective, backward (gradients accumulate).
     Returns the objective's statistics summed over micro-batches and ranks, and pi_k's entropy sum.
 
     On the first SGD iteration on a batch (an empty `cache`) the parameters are still pi_k, so pi_k's
     log-probs are the forward's own (detached) and are cached for the next i-1 iterations
     (ratio_anchor=exact needs them; approx uses them as PPO's pi_old); pi_ref's log-probs and pi_k's
-    entropy are computed once here too, and so is the staleness split (push_lagged: see
-    `split_source`; None: not logged).
+    entropy are computed once here too, and so is the staleness split (cache.split).
     """
     cfg, first = run.cfg, cache.entropy_sum is None
     num_seqs, num_tokens = denominators
-    totals, entropy_sum, split = None, torch.zeros((), device=run.dist.device), None
+    totals, entropy_sum = None, torch.zeros((), device=run.dist.device)
     for j, mb in enumerate(micro_batches):
         # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch.
         run.policy.set_requires_gradient_sync(j == len(micro_batches) - 1)
@@ -514,11 +475,7 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
                     logp_ref, _ = run.ref_policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
                                                  position_ids=mb.position_ids, segments=mb.segments)
             cache.logp_ref.append(logp_ref)
-            logp_push = None
-            if push_lagged:  # steps were taken since the push that sampled this batch: score with its weights
-                with torch.no_grad():
-                    logp_push, _ = run.pushed_policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
-                                                     position_ids=mb.position_ids, segments=mb.segments)
+            cache.split.before(mb)  # steps were taken since the push that sampled this batch: its weights score it
         mask = mb.completion_mask.bool()
         weights = token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=num_seqs,
                                 num_tokens=num_tokens, max_len=cfg.grpo.max_new_tokens, truncated=mb.truncated)[mask]
@@ -533,72 +490,12 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache, 
             cache.logp_k.append(out.logp)
             # over active tokens, like every statistic of the objective (it is divided by their count)
             entropy_sum = entropy_sum + (out.entropy * (weights != 0)).sum()
-            if push_lagged is not None:  # not lagged: pi_push is pi_k, the very same log-probs
-                split = staleness.add_sums(split, staleness.split_sums(
-                    mb.logp_alpha, logp_push if push_lagged else out.logp, out.logp, weights != 0))
+            cache.split.after(mb.logp_alpha, out.logp, weights != 0)
         totals = out.stats if totals is None else merge_stats(totals, out.stats)
     if first:
-        if push_lagged:  # its no-grad forwards left FSDP2's root gathered: free it until the next lagged batch
-            run.pushed_policy.reshard()
         cache.entropy_sum = all_reduce_sum({"entropy": entropy_sum})["entropy"]
-        if split is not None:
-            cache.split = staleness.split_means(all_reduce_sum(split))
+        cache.split.finish()
     return all_reduce_stats(totals), cache.entropy_sum
-
-
-def split_source(run: Run, progress: Progress, rollout: Rollout) -> Optional[bool]:
-    """Where pi_push's log-probs come from for this batch's staleness split (grpo/staleness.py):
-    False: no optimizer step since the push that sampled it, so pi_push is pi_k (on policy, exactly);
-    True: steps were taken, the frozen copy of the pushed weights scores it; None: not known (the
-    split is not logged: replay, log.split_staleness off, a resume that lost the copy)."""
-    if not run.cfg.log.split_staleness or run.cfg.replay:
-        return None
-    pushes, steps = alpha_lag(progress, rollout.weights_version, progress.step)
-    if pushes != 0 or steps is None:
-        return None
-    if steps == 0:
-        return False
-    return True if run.pushed_policy is not None and run.pushed_known else None
-
-
-def probe_parity(run: Run, progress: Progress, rollout: Rollout, stage: int, k: int) -> dict:
-    """Right after a push (and at the start), before any step on the new weights: the engine and
-    the trainer score the run's probe with the same weights (grpo/parity.py). The probe is drawn
-    from the first batch that reaches here and kept with the run. {} when not due; parity_* and
-    time_parity on rank 0. Collective (the trainer's forward)."""
-    cfg = run.cfg.parity
-    if cfg.sequences == 0 or run.cfg.replay or progress.weights_version % cfg.every != 0:
-        return {}
-    t0 = time.time()
-    if run.probe is None:
-        probe = None
-        if run.dist.is_main:
-            probe = ParityProbe.draw(rollout.samples, cfg, run.cfg.grpo.G,
-                                     {"stage": stage, "iteration": k, "weights_version": progress.weights_version})
-            probe.save(run.run_dir)
-        run.probe = broadcast_probe(probe)
-    trainer = trainer_logprobs(run.policy, run.probe, run.tokenizer.pad_token_id, run.dist.device,
-                               run.cfg.optim.share_prompts)
-    outcome = None
-    if run.dist.is_main:
-        try:
-            scored = run.server.score(run.probe.pairs(), temperature=run.cfg.grpo.temperature,
-                                      top_p=run.cfg.grpo.top_p)
-        except InferenceServerError as e:  # a diagnostic: say it failed, train on
-            print(f"[train] parity probe skipped at weights version {progress.weights_version}: {e}", file=sys.stderr)
-            outcome = {"stats": {}}
-        else:
-            if scored.weights_version != progress.weights_version:  # every rank stops, none waits for rank 0
-                outcome = {"error": f"parity probe: the server scored with weights version {scored.weights_version}, "
-                                    f"the trainer pushed version {progress.weights_version}"}
-            else:
-                stats = parity_stats(scored.logprobs, trainer, cfg.threshold)
-                warn_if_apart(stats, cfg, progress.weights_version)
-                outcome = {"stats": {**stats, "time_parity": time.time() - t0}}
-    outcome = broadcast_json(outcome)
-    if "error" in outcome:
-        raise RuntimeError(outcome["error"])
-    return outcome["stats"] if run.dist.is_main else {}
 
 
 class RunStopped(RuntimeError):
@@ -634,18 +531,6 @@ def check_nan_streak(cfg: TrainConfig, progress: Progress) -> None:
                          f"; stopped (--resume continues from the last checkpoint)")
 
 
-@torch.no_grad()
-def copy_policy(frozen: Policy, policy: Policy) -> None:
-    """frozen <- pi_theta: pi_ref at the end of a stage, pi_push at a push. Same sharding on both,
-    so a local copy of each shard."""
-    # FSDP2 leaves the root's parameters unsharded after a forward it did not backprop through
-    # (the no-grad reference pass); reshard so both sides are DTensor shards.
-    frozen.reshard()
-    policy.reshard()
-    for p_frozen, p in zip(frozen.parameters(), policy.parameters()):
-        p_frozen.copy_(p)
-
-
 def eval_due(cfg: TrainConfig, progress: Progress, stage: int, k: int) -> bool:
     """Held-out eval right after a push only (the server then holds pi_theta): before training,
     then every eval_every iterations."""
@@ -667,10 +552,9 @@ def save_checkpoint(run: Run, progress: Progress) -> None:
     # Inside a v-window the sampler alpha is not pi_theta: keep its exact weights with the
     # checkpoint (the server's copy dies with the server) so a resume samples from alpha again.
     inside_window = progress.iteration % run.cfg.grpo.v != 0
-    keep_push = inside_window and run.pushed_policy is not None and run.pushed_known
     run.checkpointer.save(progress.step, run.policy, run.optimizer, run.ref_policy, trainer_state=state,
                           extra_dirs={ALPHA_DIR: progress.weights_dir} if inside_window and progress.weights_dir else None,
-                          push_model=run.pushed_policy if keep_push else None)
+                          push_model=run.instruments.push_model_to_save(inside_window))
 
 
 def finish(run: Run, progress: Progress) -> None:
@@ -680,6 +564,37 @@ def finish(run: Run, progress: Progress) -> None:
         progress, _ = push_policy(run, progress)
         evaluate_policy(run, progress)
     export_hf(run.policy.lm, run.tokenizer, run.cfg.model.path, run.run_dir / "final", dtype=run.serve_dtype)
+
+
+def log_step(run: Run, bar, *, progress: Progress, stage: int, iteration: int, sgd_iteration: int, rollout: Rollout,
+             stats: dict, entropy_sum, grad_norm: float, started: float, iteration_started: float,
+             push: Optional[dict], shape: dict) -> None:
+    """The step's row (grpo/metrics.py) to metrics.jsonl, W&B and the progress bar. push: the push
+    before this iteration, on its first step (None after)."""
+    train_stats = logged_stats(finalize_stats(stats))
+    push = push or {"bytes": 0.0, "seconds": 0.0}
+    row = metrics.train_row(
+        progress=progress, stage=stage, iteration=iteration, sgd_iteration=sgd_iteration, rollout_stats=rollout.stats,
+        train_stats=train_stats, sampled_version=rollout.weights_version,
+        entropy=metrics.per_token(entropy_sum, train_stats["num_tokens"]), grad_norm=grad_norm,
+        lr=run.scheduler.get_last_lr()[0], time_train=time.time() - started, shape=shape, time_sync=push["seconds"],
+        sync_bytes=push["bytes"], iteration_seconds=time.time() - iteration_started,
+        instruments=run.instruments.row(sgd_iteration))
+    run.logger.log(row)
+    bar.update(1)
+    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row.get('kl', math.nan):.4f}",
+                    clip=f"{row.get('clip_frac', math.nan):.3f}", ver=row["weights_version"])
+
+
+def checkpoint_or_stop(run: Run, progress: Progress) -> bool:
+    """After an iteration: a checkpoint when due, or when Ctrl-C / SIGTERM asked to stop (agreed by
+    all ranks); True to stop."""
+    stopping = run.stop.agreed()
+    if stopping or run.checkpointer.due(progress.step, steps_taken=run.cfg.grpo.i):
+        save_checkpoint(run, progress)
+    if stopping and run.dist.is_main:
+        print(f"[train] stopped at step {progress.step}; resume with --resume", file=sys.stderr)
+    return stopping
 
 
 # ------------------------------------------------------------------------------------------------
@@ -709,43 +624,27 @@ def main(argv=None) -> int:
                 # B prompts x G completions from alpha; rewards, advantages (eq. 2), mask (eq. 8)
                 seed = batch_seed(cfg, stage, k)
                 rollout = sample_batch(run, progress, k, seed)
-                if cfg.log.save_rollouts:  # the batch as trained on (docs/offpolicy.md)
-                    on_main_rank(run, lambda: str(record_batch(run.run_dir, stage, k, seed, rollout, run.made_with)))
-                # engine mismatch on the same weights: the parity probe, right after a push
-                parity = probe_parity(run, progress, rollout, stage, k) if k % cfg.grpo.v == 0 else {}
+                run.instruments.after_sampling(progress, stage, k, seed, rollout)  # recorded; parity after a push
                 if run.dist.is_main and run.sample_ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
                     run.sample_ahead.start(run, progress, k + 1, batch_seed(cfg, stage, k + 1))
                 micro_batches, denominators, shape = plan_batch(run, rollout)
 
                 # i SGD iterations on this batch (pi_k = the policy before the first of them)
-                cache, push_lagged = BatchCache(), split_source(run, progress, rollout)
+                cache = BatchCache(split=run.instruments.split)
                 for it in range(cfg.grpo.i):
                     t0 = time.time()
-                    stats, entropy_sum = sgd_iteration(run, micro_batches, cache, denominators, push_lagged)
+                    stats, entropy_sum = sgd_iteration(run, micro_batches, cache, denominators)
                     grad_norm, finite = optimizer_step(run)
                     progress = progress.after_step(finite)
-                    train_stats = finalize_stats(stats)
-                    row = metrics.train_row(
-                        progress, stage, k, it, rollout.stats, train_stats, sampled_version=rollout.weights_version,
-                        entropy=metrics.per_token(entropy_sum, train_stats["num_tokens"]), grad_norm=grad_norm,
-                        lr=run.scheduler.get_last_lr()[0], time_train=time.time() - t0, shape=shape,
-                        time_sync=push["seconds"] if it == 0 else 0.0, sync_bytes=push["bytes"] if it == 0 else 0.0,
-                        iteration_seconds=time.time() - t_iter, instruments={**cache.split, **(parity if it == 0 else {})})
-                    run.logger.log(row)
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row.get('kl', math.nan):.4f}",
-                                    clip=f"{row.get('clip_frac', math.nan):.3f}", ver=row["weights_version"])
+                    log_step(run, bar, progress=progress, stage=stage, iteration=k, sgd_iteration=it, rollout=rollout,
+                             stats=stats, entropy_sum=entropy_sum, grad_norm=grad_norm, started=t0,
+                             iteration_started=t_iter, push=push if it == 0 else None, shape=shape)
                     check_nan_streak(cfg, progress)
                 if cfg.log.sample_table_every and k % cfg.log.sample_table_every == 0:
                     run.logger.log_samples(progress.step, rollout.table)
 
                 progress = replace(progress, iteration=k + 1)
-                stopping = run.stop.agreed()
-                if stopping or run.checkpointer.due(progress.step, steps_taken=cfg.grpo.i):
-                    save_checkpoint(run, progress)
-                if stopping:
-                    if run.dist.is_main:
-                        print(f"[train] stopped at step {progress.step}; resume with --resume", file=sys.stderr)
+                if checkpoint_or_stop(run, progress):
                     return 130
             # end of stage: pi_ref <- pi_theta
             if run.ref_policy is not None:

@@ -72,7 +72,8 @@ def forward(args, hidden, weight, targets, upstream):
         logp = kernels.lm_head_logprobs(hidden, weight, targets, args.temperature, chunk_tokens=args.chunk_tokens,
                                         backend=args.backend)[0]
     else:  # fused_objective: REINFORCE (-A logp) with A = -upstream, weights 1 -> loss = sum(upstream * logp)
-        from grpo.objective import ObjectiveConfig, objective_fn_for
+        from grpo.kernel_dispatch import objective_fn_for
+        from grpo.objective import ObjectiveConfig
 
         zeros, ones = torch.zeros_like(upstream), torch.ones_like(upstream)
         loss, _, logp, _ = kernels.lm_head_objective(
@@ -96,8 +97,6 @@ def cpu_seconds() -> float:
 def worker(args) -> dict:
     """One variant, one process: allocate inputs, measure the baseline, run forward + backward."""
     import torch
-
-    import kernels
 
     if args.threads:
         torch.set_num_threads(args.threads)

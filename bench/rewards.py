@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from grpo.data import DataConfig, DataError, read_rows  # noqa: E402
-from grpo.rewards import RewardConfig, RewardScorer  # noqa: E402
+from grpo.rewards import Completion, RewardConfig, RewardScorer  # noqa: E402
 
 
 def workload(n: int, data_dir: str | None) -> tuple[list[str], list[str], list[float]]:
@@ -47,7 +47,7 @@ def rate(scorer: RewardScorer, completions, golds, expected, repeats: int) -> fl
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        rewards, info = scorer.score(completions, golds)
+        rewards, info = scorer.score([Completion(text, gold) for text, gold in zip(completions, golds)])
         best = min(best, time.perf_counter() - t0)
         if rewards != expected or info["timeouts"]:
             raise SystemExit(f"bench/rewards.py: wrong scores ({sum(r != e for r, e in zip(rewards, expected))} "

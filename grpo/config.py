@@ -212,7 +212,9 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
 
 
 def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None):
-    """Build `cls` from a YAML file (optional) and dotted overrides; raises ConfigError."""
+    """Build `cls` from a YAML file (optional) and dotted overrides; raises ConfigError. When `cls`
+    has a `plugins` field, the modules it names (the user's own losses, advantages, reward terms,
+    metrics: grpo/registry.py) are imported first, so their names and knobs are known."""
     data: dict = {}
     source = "defaults"
     if path is not None:
@@ -221,7 +223,23 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
     if overrides:
         source = f"{source} + command line" if path is not None else "command line"
         apply_overrides(data, overrides)
+    if "plugins" in {f.name for f in dataclasses.fields(cls)}:
+        import_plugins(data.get("plugins", []), source)
     return _build(cls, data, source)
+
+
+def import_plugins(names: Any, source: str) -> None:
+    """Import the modules a config's `plugins:` names; a bad one is one line naming it."""
+    from grpo.registry import import_plugin
+
+    names = _coerce(names, list[str], "plugins", source)
+    for name in names:
+        try:
+            import_plugin(name)
+        except ValueError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        except Exception as e:  # the user's module failed while importing: its own error, in one line
+            raise ConfigError(f"{source}: plugins: {name}: {type(e).__name__}: {e}") from None
 
 
 def to_dict(cfg: Any) -> dict:

@@ -20,6 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from grpo import metrics
+
 
 @dataclass
 class EvalConfig:
@@ -104,6 +106,23 @@ def maj_at_k(answers: Sequence[Optional[str]], correct: Sequence[bool], k: int) 
     return 1.0 if correct[first] else 0.0
 
 
+# How a training run logs the summary: eval_row puts every number under eval/ (grpo/metrics.py).
+EVAL_KEYS = metrics.declare_many("eval", {
+    "eval/pass@*": "pass@k for k in `eval.pass_k` up to K: unbiased per problem (Chen et al. 2021), then the mean; "
+                   "pass@1 is the mean over problems of c/n (the paper's Pass@1 over K samples)",
+    "eval/maj@*": "majority vote over the first k `\\boxed{}` answers (only where the reward requires a boxed answer)",
+    "eval/n_problems": "problems evaluated",
+    "eval/samples_per_problem": "K, samples per problem",
+    "eval/n_samples": "completions scored",
+    "eval/mean_completion_tokens": "mean completion length in tokens",
+    "eval/truncation_rate": "fraction cut at `eval.max_tokens`",
+    "eval/extraction_rate": "fraction with a final `\\boxed{}` answer",
+    "eval/reward_mean": "mean reward (the run's `reward.terms`)",
+    "eval/wall_time_s": "seconds the evaluation took",
+    "eval/weights_version": "the server's weights version the evaluation sampled from",
+})
+
+
 def summarize(records: Sequence[dict], pass_k: Sequence[int], wall_time_s: Optional[float] = None,
               majority: bool = True) -> dict:
     """Summary of per-problem records (see `score_completions` for their fields).
@@ -153,8 +172,9 @@ def select_problems(problems: Sequence, eval_cfg: EvalConfig) -> list:
 
 
 def score_completions(problems: Sequence, prompt_texts: Sequence[str], completions: Sequence[Sequence[Any]],
-                      scorer) -> list[dict]:
-    """Per-problem records from sampled completions (objects with .text, .token_ids, .finish_reason).
+                      scorer, max_tokens: Optional[int] = None) -> list[dict]:
+    """Per-problem records from sampled completions (objects with .text, .token_ids, .finish_reason),
+    sampled under the budget `max_tokens`.
 
     The scorer is a grpo.rewards.RewardScorer: its info["correct"] (math-verify equivalence with the
     gold answer) decides correctness and info["extracted"] (last \\boxed{} content) is the vote in
@@ -163,9 +183,12 @@ def score_completions(problems: Sequence, prompt_texts: Sequence[str], completio
     if not len(problems) == len(prompt_texts) == len(completions):
         raise ValueError(f"score_completions: {len(problems)} problems, {len(prompt_texts)} prompts, "
                          f"{len(completions)} completion groups")
-    texts = [c.text for group in completions for c in group]
-    golds = [p.answer for p, group in zip(problems, completions) for _ in group]
-    rewards, info = scorer.score(texts, golds)
+    from grpo.rewards import Completion
+
+    rewards, info = scorer.score([
+        Completion(text=c.text, gold=p.answer, num_tokens=len(c.token_ids), truncated=c.finish_reason == "length",
+                   max_tokens=max_tokens, problem=p)
+        for p, group in zip(problems, completions) for c in group])
     records, offset = [], 0
     for problem, prompt, group in zip(problems, prompt_texts, completions):
         span = slice(offset, offset + len(group))
@@ -222,7 +245,7 @@ def evaluate(server, tokenizer, problems: Sequence, data_cfg, eval_cfg: EvalConf
                                      temperature=eval_cfg.temperature, top_p=eval_cfg.top_p,
                                      seed=(eval_cfg.seed * 1_000_003 + start // eval_cfg.batch_size) % 2**31)
             versions.add(result.weights_version)
-            records.extend(score_completions(batch, prompt_texts, result.completions, scorer))
+            records.extend(score_completions(batch, prompt_texts, result.completions, scorer, eval_cfg.max_tokens))
             if bar is not None:
                 bar.update(len(batch))
                 bar.set_postfix(pass1=f"{_mean(r['n_correct'] / len(r['correct']) for r in records):.3f}")

@@ -37,6 +37,9 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from grpo import registry
+from grpo.registry import Knob, in_unit_interval, non_negative
+
 
 # ----------------------------------------------------------------------------------------------
 # What a loss receives and returns
@@ -106,17 +109,6 @@ class CorrectedWeight(NamedTuple):
 # ----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Knob:
-    """A config field a loss or correction adds to the `objective:` section."""
-
-    name: str
-    default: Any
-    type: Any
-    doc: str
-    check: Optional[Callable[[Any], Optional[str]]] = None  # value -> why it is refused (None: fine)
-
-
-@dataclass(frozen=True)
 class Loss:
     name: str
     fn: Callable[[LossInputs, Any], PolicyTerms]
@@ -144,15 +136,6 @@ class Correction:
 
 LOSSES: dict[str, Loss] = {}
 CORRECTIONS: dict[str, Correction] = {}
-_config_knobs: Optional[set] = None  # the knob names ObjectiveConfig was built with (None: not yet)
-
-
-def _check_new_knobs(knobs: tuple) -> None:
-    if _config_knobs is not None:
-        late = [k.name for k in knobs if k.name not in _config_knobs]
-        if late:
-            raise ValueError(f"knobs {late}: ObjectiveConfig is already built; a loss with new knobs is "
-                             "registered in grpo/losses.py (or a module imported before grpo.objective)")
 
 
 def register_loss(name: str, *, per: str = "token", equation: str, paper: str, preset: Optional[str] = None,
@@ -165,9 +148,9 @@ def register_loss(name: str, *, per: str = "token", equation: str, paper: str, p
     def register(fn):
         if name in LOSSES:
             raise ValueError(f"loss {name!r} is already registered")
-        _check_new_knobs(knobs)
         LOSSES[name] = Loss(name, fn, per, equation, paper, preset, tuple(knobs), check, anchored,
                             corrections, clips)
+        registry.add_knobs()  # its knobs become fields of ObjectiveConfig, also when registered late
         return fn
     return register
 
@@ -188,21 +171,7 @@ def register_correction(name: str, *, level: str, equation: str, paper: str, pre
 
 def knobs() -> list[Knob]:
     """Every knob of the registered losses, once each, in registration order."""
-    out: dict[str, Knob] = {}
-    for loss in LOSSES.values():
-        for knob in loss.knobs:
-            out.setdefault(knob.name, knob)
-    return list(out.values())
-
-
-def with_knobs(cls):
-    """Class decorator (under @dataclass): add every registered knob as a field of the config."""
-    global _config_knobs
-    for knob in knobs():
-        cls.__annotations__[knob.name] = knob.type
-        setattr(cls, knob.name, knob.default)
-    _config_knobs = {knob.name for knob in knobs()}
-    return cls
+    return registry.unique_knobs(loss.knobs for loss in LOSSES.values())
 
 
 def correction_name(cfg) -> str:
@@ -226,10 +195,7 @@ def check_config(cfg) -> None:
         raise ValueError(f"loss: must be one of {sorted(LOSSES)}, got {cfg.loss!r}")
     if cfg.is_correction is not None and cfg.is_correction not in CORRECTIONS:
         raise ValueError(f"is_correction: must be one of {sorted(CORRECTIONS)} or null, got {cfg.is_correction!r}")
-    for knob in knobs():
-        why = knob.check(getattr(cfg, knob.name)) if knob.check else None
-        if why:
-            raise ValueError(f"{knob.name}: {why}, got {getattr(cfg, knob.name)!r}")
+    registry.check_knobs(cfg, knobs())
     loss, name = LOSSES[cfg.loss], correction_name(cfg)
     if loss.check:
         loss.check(cfg)
@@ -242,14 +208,6 @@ def check_config(cfg) -> None:
 # ----------------------------------------------------------------------------------------------
 # Shared pieces
 # ----------------------------------------------------------------------------------------------
-
-def in_unit_interval(value) -> Optional[str]:
-    return None if 0.0 <= value <= 1.0 else "must be in [0, 1]"
-
-
-def non_negative(value) -> Optional[str]:
-    return None if value >= 0.0 else "must be >= 0"
-
 
 def anchored_ratio(x: LossInputs, cfg) -> tuple[Tensor, Tensor, Tensor]:
     """(r, r', outer) of eq. 6 per token, by ratio_anchor:
@@ -413,7 +371,21 @@ def sequence_ratio(x: LossInputs, cfg) -> tuple[Tensor, Tensor, Tensor]:
     return seqs.per_token(torch.exp(mean_log_ratio)), one, x.w_bar if x.corrected else one
 
 
-@register_loss("gspo", per="sequence", anchored=True, preset="gspo", knobs=_GSPO_KNOBS,
+def _check_gspo(cfg) -> None:
+    """GSPO's ratio s_i is length-normalised (a geometric mean); under the exact anchor its anchor
+    s'_i is the geometric mean of w_bar, which a sequence-level correction sets to min(rho_i, C) on
+    every token: a product over the sequence, not length-normalised, so even a cap that never binds
+    would change the loss (s'_i = rho_i instead of rho_i^(1/|y|)). The geometric level bounds the
+    same length-normalised weight GSPO's ratio uses: that is the consistent choice."""
+    name = correction_name(cfg)
+    if cfg.ratio_anchor == "exact" and CORRECTIONS[name].level == "sequence":
+        geometric = name.replace("sequence_", "geometric_")
+        raise ValueError(f"is_correction: {name} under ratio_anchor exact gives {cfg.loss}'s anchor the product "
+                         f"min(rho_i, is_cap), while its ratio is a per-token geometric mean; use {geometric} (the "
+                         f"same bound on the length-normalised weight), or ratio_anchor approx")
+
+
+@register_loss("gspo", per="sequence", anchored=True, preset="gspo", knobs=_GSPO_KNOBS, check=_check_gspo,
                paper="2507.18071 (GSPO)",
                equation="-outer * min(s_i A_i, clip(s_i, max(s'_i - gspo_eps_low, 0), s'_i + gspo_eps_high) A_i), "
                         "s_i = exp(mean_t log(pi/old)) per sequence")
@@ -424,13 +396,16 @@ def gspo(x: LossInputs, cfg) -> PolicyTerms:
     return clipped_surrogate(s, anchor, outer, x.adv, cfg.gspo_eps_low, cfg.gspo_eps_high)
 
 
-@register_loss("gspo_token", per="sequence", anchored=True, preset="gspo_token", knobs=_GSPO_KNOBS,
+@register_loss("gspo_token", per="sequence", anchored=True, preset="gspo_token", knobs=_GSPO_KNOBS, check=_check_gspo,
                paper="2507.18071 (GSPO-token)",
                equation="as gspo with s_{i,t} = sg[s_i] pi(y_t) / sg[pi(y_t)]")
 def gspo_token(x: LossInputs, cfg) -> PolicyTerms:
     """GSPO-token: every token carries its sequence's ratio as value, sg[s_i] * pi_t / sg[pi_t], so
-    its gradient is s_i grad log pi_t; with one advantage per sequence (as here) it is GSPO's
-    gradient, and the form admits per-token advantages."""
+    its gradient is outer_t s_i grad log pi_t, where GSPO's spreads the sequence's mean of outer_t
+    over its tokens. With one advantage per sequence the two are the same update exactly when outer
+    is constant within each sequence: always under ratio_anchor exact (outer = 1), and under approx
+    with no correction or a sequence / geometric one; a token-level correction under approx
+    (outer = w_bar_t) makes them differ. The form admits per-token advantages."""
     s, anchor, outer = sequence_ratio(x, cfg)
     s_token = s.detach() * torch.exp(x.logp - x.logp.detach())
     return clipped_surrogate(s_token, anchor, outer, x.adv, cfg.gspo_eps_low, cfg.gspo_eps_high)
@@ -552,9 +527,7 @@ def markdown() -> str:
     """The tables of docs/objectives.md: every registered loss and correction."""
     import kernels
 
-    def cell(text) -> str:
-        return str(text).replace("|", "\\|")
-
+    cell = registry.cell
     lines = ["### Losses (`objective.loss`)", "",
              "| loss | per | fused kernel | equation (per token, to minimise) | knobs | preset | paper |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -579,26 +552,12 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_docs(path: str) -> None:
-    """Replace the generated block of `path` (between DOCS_BEGIN and DOCS_END) with markdown()."""
-    from pathlib import Path
-
-    text = Path(path).read_text()
-    head, _, rest = text.partition(DOCS_BEGIN)
-    _, _, tail = rest.partition(DOCS_END)
-    Path(path).write_text(f"{head}{DOCS_BEGIN}\n{markdown()}{DOCS_END}{tail}")
-
-
 if __name__ == "__main__":
     import importlib
     import sys
 
-    # The registry as the trainer sees it (grpo.objective checks it against the kernels), not this
-    # file run a second time as __main__.
-    importlib.import_module("grpo.objective")
-    registry = importlib.import_module("grpo.losses")
-
+    module = importlib.import_module("grpo.losses")  # the registry, not this file run a second time as __main__
     if sys.argv[1:2] == ["--write"]:
-        registry.write_docs(sys.argv[2])
+        registry.write_block(sys.argv[2], module.DOCS_BEGIN, module.DOCS_END, module.markdown())
     else:
-        print(registry.markdown(), end="")
+        print(module.markdown(), end="")

@@ -1,21 +1,21 @@
 """Run logging: metrics.jsonl (the record scripts/plot.py reads), Weights & Biases, a progress bar.
 
 Rank 0 does all I/O; every other rank gets a logger whose methods do nothing, so the training
-loop calls the same code on every rank. This module is the one place that names logged keys:
-`train_row` and `eval_row` build the rows from the components' statistics. One `log` call per
-optimizer step, with flat keys
-(`step`, `stage`, `iteration`, `weights_version`, `reward_mean`, `kl`, ..., `eval/pass@1`):
+loop calls the same code on every rank. A logged key is declared once, next to the code that
+computes it (`declare`: its W&B section and one line of meaning; docs/metrics.md is generated
+from the declarations); `train_row` and `eval_row` build the rows from the components'
+statistics and leave nothing out but missing values. One `log` call per optimizer step, with flat
+keys (`step`, `stage`, `iteration`, `weights_version`, `reward_mean`, `kl`, ..., `eval/pass@1`):
 - metrics.jsonl gets them exactly as given, one JSON object per line, flushed at once;
-- W&B gets them under a group prefix (KEY_GROUPS) so the default dashboard has one section per
-  concern (rollout/, train/, time/, bound/), with `step` as the W&B step.
+- W&B gets them under their declared section (rollout/, train/, time/, bound/), with `step` as
+  the W&B step.
 On resume the W&B run id stored in the run directory continues the same W&B run, and
 `truncate_after(step)` drops rows logged after the checkpoint so no step appears twice.
 """
 from __future__ import annotations
 
-import fnmatch
-import math
 import json
+import math
 import os
 import re
 import secrets
@@ -32,58 +32,59 @@ METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
 
-# W&B section of each flat key. Exact names first, then glob patterns in this order; a key that
-# already holds a '/' (eval/pass@1) keeps its own section, and unmatched keys (step, stage,
-# iteration, weights_version) stay at the top level.
-KEY_GROUPS: dict[str, str] = {
-    # rollout/: the sampled batch (rewards, which groups carry signal, lengths)
-    "reward_*": "rollout",
-    "group_std_*": "rollout",
-    "pass_rate": "rollout",
-    "masked_frac": "rollout",
-    "zero_var_frac": "rollout",
-    "completion_len_*": "rollout",
-    "prompt_len_*": "rollout",
-    "truncated_frac": "rollout",
-    "red_*": "rollout",
-    "seq_weight_*": "rollout",
-    # train/: the optimizer step (objective terms, clipping, importance weights, gradients)
-    "loss": "train",
-    "loss_*": "train",
-    "clip_*": "train",
-    "kl": "train",
-    "entropy": "train",
-    "is_weight_*": "train",
-    "is_capped_frac": "train",
-    "is_masked_frac": "train",
-    "seq_ratio_mean": "train",
-    "seq_capped_frac": "train",
-    "seq_masked_frac": "train",
-    "ratio_*": "train",
-    "grad_norm": "train",
-    "lr": "train",
-    "nan_skips": "train",
-    # time/: where the wall clock went, throughput, bytes moved for weight sync
-    "time_*": "time",
-    "tokens_per_s": "time",
-    "train_tokens": "time",
-    "train_padded_tokens": "time",
-    "server_*": "time",  # what the inference engine reports of a batch
-    "sync_bytes": "time",
-    # bound/: the off-policy quantities of the paper's improvement bound (TV and KL of pi_k vs
-    # alpha, the reward bound M)
-    "tv_*": "bound",
-    "kl_pik_alpha": "bound",
-    "M_*": "bound",
-    "bound_*": "bound",
-    # how stale alpha is: pushes and optimizer steps since the weights that sampled the batch
-    "alpha_lag_*": "bound",
-    # alpha vs pi_k split into engine mismatch and staleness (grpo/staleness.py); the parity probe
-    # after a push (grpo/parity.py). tv_mismatch, tv_staleness fall under tv_* above.
-    "kl_mismatch": "bound",
-    "kl_staleness": "bound",
-    "parity_*": "bound",
+# ---------------------------------------------------------------------------------------------
+# Declarations: a logged key is declared once, next to the code that computes it
+
+
+SECTIONS = {
+    "": "where the run stands",
+    "rollout": "the sampled batch: rewards, which groups carry signal, lengths",
+    "train": "the optimizer step: objective terms, clipping, importance weights, gradients",
+    "time": "where the wall clock went, throughput, tokens and bytes moved",
+    "bound": "the off-policy quantities of the paper's improvement bound, and the instruments that split them",
+    "eval": "the held-out evaluation",
 }
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # the flat key; a family of keys named at run time ends in '*' (server_*, eval/pass@*)
+    section: str  # its W&B section (SECTIONS); "" stays at the top level
+    meaning: str  # one line: what it holds
+    module: str  # where it is computed (the declaring module)
+
+
+DECLARED: dict[str, Metric] = {}
+
+
+def declare(name: str, section: str, meaning: str, *, module: Optional[str] = None) -> str:
+    """Declare a logged key where it is computed: its W&B section and one line of meaning (also
+    docs/metrics.md's, generated from the declarations). A key a row holds reaches metrics.jsonl
+    and W&B whatever it is; an undeclared one is logged at the top level, with one warning."""
+    if section not in SECTIONS:
+        raise ValueError(f"metric {name}: section must be one of {sorted(SECTIONS)}, got {section!r}")
+    module = module or sys._getframe(1).f_globals.get("__name__", "?")
+    metric = Metric(name, section, meaning, module)
+    known = DECLARED.get(name)
+    if known is not None and (known.section, known.meaning) != (section, meaning):
+        raise ValueError(f"metric {name} is already declared in {known.module} ({known.section}: {known.meaning})")
+    DECLARED.setdefault(name, metric)
+    return name
+
+
+def declare_many(section: str, meanings: dict[str, str], *, module: Optional[str] = None) -> tuple[str, ...]:
+    """declare() for several keys of one section; returns their names in order."""
+    module = module or sys._getframe(1).f_globals.get("__name__", "?")
+    return tuple(declare(name, section, meaning, module=module) for name, meaning in meanings.items())
+
+
+def declared(key: str) -> Optional[Metric]:
+    """The declaration of a key: its own, or its family's (the longest prefix before a '*')."""
+    if key in DECLARED:
+        return DECLARED[key]
+    families = [m for name, m in DECLARED.items() if name.endswith("*") and key.startswith(name[:-1])]
+    return max(families, key=lambda m: len(m.name), default=None)
+
 
 # Config keys whose string values are credentials. `max_tokens` or `pad_token_id` do not match
 # (plural / not a string); `hf_token`, `api_key`, `wandb_secret` do.
@@ -134,14 +135,25 @@ class LogConfig:
 
 
 def group_key(key: str) -> str:
-    """The W&B name of a flat metric key, e.g. reward_mean -> rollout/reward_mean."""
+    """The W&B name of a flat metric key, e.g. reward_mean -> rollout/reward_mean (its declared
+    section); a key that holds a '/' (eval/pass@1) and an undeclared key keep their own name."""
     if "/" in key:
         return key
-    group = KEY_GROUPS.get(key)
-    if group is None:
-        group = next((g for pattern, g in KEY_GROUPS.items() if "*" in pattern and fnmatch.fnmatchcase(key, pattern)),
-                     None)
-    return f"{group}/{key}" if group else key
+    metric = declared(key)
+    return f"{metric.section}/{key}" if metric and metric.section else key
+
+
+_warned_undeclared: set = set()
+
+
+def warn_undeclared(keys) -> None:
+    """One warning per key logged without a declaration (it goes to the top level of W&B)."""
+    for key in keys:
+        if key not in _warned_undeclared and declared(key) is None:
+            _warned_undeclared.add(key)
+            warnings.warn(f"metrics: {key} is logged but not declared: grpo.metrics.declare({key!r}, section, "
+                          f"meaning) next to the code that computes it gives it a W&B section and a line in "
+                          f"docs/metrics.md", stacklevel=3)
 
 
 def redact_secrets(config: Any) -> Any:
@@ -262,6 +274,7 @@ class MetricsLogger:
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"metrics: 'step' must be an integer, got {step!r} (keys: {sorted(metrics)})")
         row = {str(k): (step if k == "step" else _plain(str(k), v)) for k, v in metrics.items()}
+        warn_undeclared(row)
         # Which sweep group and grid point the row belongs to travels with it (W&B has its own fields).
         line = json.dumps({**row, **self._labels})
         with open(self.metrics_path, "a") as f:
@@ -358,25 +371,35 @@ class MetricsLogger:
 # The logged rows: the one place where logged names are chosen
 
 
-# Keys of the rollout's statistics (grpo.rollout.sample_rollout, grpo.objective.group_advantages),
-# logged as they are named there.
-ROLLOUT_KEYS = ("reward_mean", "reward_std", "group_std_mean", "pass_rate", "masked_frac", "zero_var_frac",
-                "red_drop_frac", "seq_weight_mean", "completion_len_mean", "truncated_frac", "reward_timeouts",
-                "bound_M", "bound_M_nonzero", "time_generate", "time_reward", "time_wait_generate")
-# Logged name <- grpo.objective.finalize_stats name. kl is KL(pi || pi_ref) of eq. 7; tv_pik_alpha and
-# kl_pik_alpha are the drift between the trainer's pi_k and the sampler alpha (Theorem 1's terms).
-TRAIN_KEYS = {
-    "loss": "loss", "clip_frac": "clip_frac", "clip_low_frac": "clip_low_frac", "clip_high_frac": "clip_high_frac",
-    "clip_frac_adv_pos": "clip_frac_adv_pos", "clip_frac_adv_neg": "clip_frac_adv_neg",
-    "kl": "kl_mean", "ratio_mean": "ratio_mean", "ratio_std": "ratio_std", "ratio_min": "ratio_min",
-    "ratio_max": "ratio_max", "is_weight_mean": "is_weight_mean", "is_weight_std": "is_weight_std",
-    "is_weight_min": "is_weight_min", "is_weight_max": "is_weight_max", "is_capped_frac": "is_capped_frac",
-    "tv_pik_alpha": "tv_mean", "kl_pik_alpha": "kl_pik_alpha_mean",
-    # the off-policy corrections and sequence-level losses (grpo/losses.py): what they masked or truncated
-    "is_masked_frac": "is_masked_frac", "is_weight_ess": "is_weight_ess", "seq_ratio_mean": "seq_ratio_mean",
-    "seq_capped_frac": "seq_capped_frac",
-    "seq_masked_frac": "seq_masked_frac",
-}
+WHERE = declare_many("", {
+    "step": "optimizer steps so far",
+    "stage": "s < S of Algorithm 1",
+    "iteration": "k < M within the stage",
+    "sgd_iteration": "which of the i SGD iterations on this batch",
+    "weights_version": "the server's weights: version n is the policy after n*v iterations of a stage; 0 is the "
+                       "model directory",
+})
+STEP = declare_many("train", {
+    "entropy": "entropy of pi_k per active token",
+    "grad_norm": "global gradient norm before clipping (`optim.grad_clip`)",
+    "lr": "learning rate",
+    "nan_skips": "optimizer steps skipped for a non-finite gradient, so far",
+})
+TIMES = declare_many("time", {
+    "time_train": "forward, backward and optimizer step",
+    "time_sync": "the push before this iteration: seconds (0 after its first step)",
+    "sync_bytes": "the push before this iteration: bytes (0 after its first step)",
+    "time_iteration": "wall clock since the iteration began, push and eval included",
+    "tokens_per_s": "the batch's prompt + completion tokens over `time_iteration`",
+    "train_tokens": "tokens the train part ran forward and backward, all ranks (masked groups are skipped)",
+    "train_padded_tokens": "the same with the micro-batches' padding",
+})
+LAG = declare_many("bound", {
+    "alpha_lag_steps": "optimizer steps since the weights that sampled this batch were pushed, counted at the "
+                       "batch's first step: (k mod v) * i, 0 on policy ([offpolicy.md](offpolicy.md))",
+    "alpha_lag_pushes": "pushes since the weights that sampled this batch: 0 in this design (a batch is always "
+                        "sampled from the newest push)",
+})
 
 
 def missing(value: Any) -> bool:
@@ -405,31 +428,33 @@ def per_token(total: float, num_tokens: float) -> float:
     return total / num_tokens if num_tokens > 0 else math.nan
 
 
-def train_row(progress, stage: int, iteration: int, sgd_iteration: int, rollout_stats: dict, train_stats: dict, *,
+def train_row(*, progress, stage: int, iteration: int, sgd_iteration: int, rollout_stats: dict, train_stats: dict,
               sampled_version: int, entropy: float, grad_norm: float, lr: float, time_train: float, time_sync: float,
               sync_bytes: float, iteration_seconds: float, shape: Optional[dict] = None,
               instruments: Optional[dict] = None) -> dict:
     """The row of one optimizer step. progress: grpo.progress.Progress after the step;
+    rollout_stats: grpo.rollout.Rollout.stats, every key logged as named there (its "engine" dict:
+    what the inference engine reports of the batch); train_stats: the step's objective statistics
+    as grpo.objective.logged_stats names them;
     sampled_version: the weights version that sampled the batch (grpo.rollout.Rollout.weights_version),
-    for alpha's lag (grpo.progress.alpha_lag); train_stats: grpo.objective.finalize_stats of the step's
-    objective; entropy: of pi_k on the batch per active token (`per_token`: NaN, so missing, when no
-    token is active); time_sync / sync_bytes: the push before this iteration (0 after its first
-    step); iteration_seconds: wall time since the iteration began, push and eval included (logged as
-    time_iteration, and the denominator of tokens_per_s); shape: train.plan_batch's train_tokens (the
-    prompt + completion tokens the train part runs forward and backward, all ranks; masked groups
-    are skipped) and train_padded_tokens (the same with the micro-batches' padding); instruments:
-    the off-policy instruments of this step (grpo/staleness.py's split, grpo/parity.py's probe
-    after a push), missing ones left out."""
+    for alpha's lag (grpo.progress.alpha_lag); entropy: of pi_k on the batch per active token
+    (`per_token`: NaN, so missing, when no token is active); time_sync / sync_bytes: the push before
+    this iteration (0 after its first step); iteration_seconds: wall time since the iteration began,
+    push and eval included (logged as time_iteration, and the denominator of tokens_per_s); shape:
+    train.plan_batch's train_tokens and train_padded_tokens; instruments: the off-policy
+    instruments of this step (grpo/staleness.py's split, grpo/parity.py's probe after a push).
+    A statistic that is missing (NaN: of an empty set) is left out."""
     batch_tokens = rollout_stats["prompt_tokens"] + rollout_stats["completion_tokens"]
     # progress is after this step; the batch's first step began sgd_iteration + 1 steps ago
     lag_pushes, lag_steps = alpha_lag(progress, sampled_version, progress.step - sgd_iteration - 1)
+    rollout = {key: value for key, value in rollout_stats.items() if key != "engine"}
     return {
         "step": progress.step, "stage": stage, "iteration": iteration, "sgd_iteration": sgd_iteration,
         "weights_version": progress.weights_version,
         "alpha_lag_pushes": lag_pushes, **defined({"alpha_lag_steps": lag_steps}),
-        **defined({key: rollout_stats[key] for key in ROLLOUT_KEYS}),
+        **defined(rollout),
         **defined(rollout_stats.get("engine", {})),  # as the engine reports them (CPU: its threads; GPU: none)
-        **defined({key: train_stats[name] for key, name in TRAIN_KEYS.items()}),
+        **defined(train_stats),
         **defined({"entropy": entropy}), "grad_norm": grad_norm, "lr": lr, "nan_skips": progress.nan_skips,
         "time_train": time_train, "time_sync": time_sync, "sync_bytes": sync_bytes,
         "tokens_per_s": batch_tokens / max(iteration_seconds, 1e-9), "time_iteration": iteration_seconds,
@@ -441,3 +466,48 @@ def eval_row(step: int, summary: dict) -> dict:
     """The row of a held-out evaluation (grpo.evaluation.evaluate's summary): its numbers under eval/."""
     return {"step": step, **defined({f"eval/{k}": v for k, v in summary.items()
                                      if isinstance(v, (int, float))})}
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/metrics.md's tables, from the declarations
+
+DOCS_BEGIN = "<!-- generated by `python -m grpo.metrics --write docs/metrics.md`: begin -->"
+DOCS_END = "<!-- generated by grpo.metrics: end -->"
+
+
+def markdown() -> str:
+    """A table per section of every declared key: name, meaning, where it is computed."""
+    lines = []
+    for section, about in SECTIONS.items():
+        # by module (the order modules are imported in varies), in declaration order within one
+        rows = sorted((m for m in DECLARED.values() if m.section == section), key=lambda m: m.module)
+        if not rows:
+            continue
+        title = f"{section}/" if section else "top level"
+        lines += [f"**{title}: {about}.**", "", "| key | meaning | computed in |", "| --- | --- | --- |"]
+        for m in rows:
+            lines.append(f"| `{m.name}` | {m.meaning.replace('|', chr(92) + '|')} | `{m.module}` |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def load_declarations() -> None:
+    """Import every module that declares logged keys: those train.py imports (the run's own), and
+    the CPU engine's, which a run imports only where an engine runs on a CPU."""
+    import importlib
+
+    for name in ("train", "grpo.cpu.serving"):
+        importlib.import_module(name)
+
+
+if __name__ == "__main__":
+    import importlib
+
+    from grpo import registry
+
+    load_declarations()
+    module = importlib.import_module("grpo.metrics")  # the declarations, not this file run again as __main__
+    if sys.argv[1:2] == ["--write"]:
+        registry.write_block(sys.argv[2], module.DOCS_BEGIN, module.DOCS_END, module.markdown())
+    else:
+        print(module.markdown(), end="")

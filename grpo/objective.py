@@ -1,29 +1,22 @@
-"""The objective: group advantages, the policy loss, KL, aggregation, diagnostics.
+"""The objective: the policy loss, KL, aggregation, diagnostics.
 
 Single source of truth for the maths of Mroueh et al. (arXiv 2505.22257, "Revisiting GRPO"), of the
 REC / RED families of Yao et al. (arXiv 2509.24203), and of the peers' losses and off-policy
 corrections (GSPO, CISPO, TIS / MIS / IcePop). Each policy loss and each IS-weight correction is
-one registered torch function in grpo/losses.py (the registry: names, knobs, checks, equations);
-this module does what is common to all of them: eq. 2 advantages, eq. 8 masking, the aggregation
-weights, the KL term of eq. 7, the statistics, and which path runs a config (objective_path):
-  - a per-token loss with a fused Triton kernel (kernels/loss.py LOSS_CODES): on CUDA that kernel,
-    inside kernels.lm_head_objective; on CPU this module's torch maths in the same place;
-  - a per-token loss without a kernel: its torch definition inside lm_head_objective, on CUDA too
-    (objective_fn_for warns once);
-  - a loss or correction that needs whole sequences (needs_sequences: GSPO, sequence / geometric
-    corrections): kernels.lm_head_logprobs, then `objective` with each token's sequence, then
-    autograd (objective_of_hidden).
-tests/test_kernels_loss.py keeps every kernel equal to its torch definition (generated from the
-registry), tests/test_kernels_lm_head.py the fused LM-head path against the plain head followed by
-`objective`. What the objective and the kernel share (input checks, statistic names and
-reductions) is kernels/contract.py.
+one registered torch function in grpo/losses.py (the registry: names, knobs, checks, equations),
+each advantage estimator and its steps (RED, eq. 8) one in grpo/advantages.py; this module does
+what is common to all of them: the aggregation weights, the masking of inactive tokens, the KL
+term of eq. 7 and the statistics. Which path runs a config (the fused Triton kernel, the torch
+definition inside the fused LM head, or whole sequences through autograd) is grpo/kernel_dispatch.py's.
+What the objective and the kernel share (input checks, statistic names and reductions) is
+kernels/contract.py.
 
 Symbols (paper names): alpha = the policy that sampled the batch (its per-token log-probs
 `logp_alpha` come from the inference server), pi_k = the trainer's policy at the start of the
 iteration (`logp_k`), pi = the policy being optimised (`logp`, requires grad), pi_ref (`logp_ref`).
 
 Pipeline, once per batch of B prompts x G completions:
-  adv, seq_weight, stats = group_advantages(rewards, G, cfg)        # eq. 2, eq. 8, RED
+  adv, seq_weight, stats = grpo.advantages.group_advantages(rewards, G, cfg)   # eq. 2, eq. 8, RED
   n_seqs, n_toks = local_denominators(mask, seq_weight, cfg)        # all-reduce over ranks
   then per micro-batch:
   w = token_weights(mask, seq_weight, cfg, num_seqs=..., num_tokens=..., max_len=...)
@@ -36,22 +29,20 @@ The named methods are settings of ObjectiveConfig: configs/objectives/<name>.yam
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 from torch import Tensor
 
-import kernels
-from grpo import losses
+from grpo import advantages, losses, metrics, registry
 from grpo.losses import CORRECTIONS, LOSSES, LossInputs, Sequences, correction_name, needs_sequences
 from kernels.contract import (DIAGNOSTIC_KEYS, EXTREME_KEYS, SEQUENCE_KEYS, SQ_KEYS, STAT_KEYS,
                               check_objective_inputs, reduction)
 
 
 @dataclass
-@losses.with_knobs  # + the knobs of the registered losses (grpo/losses.py), e.g. gspo_eps_low, eps_high_is
+@registry.with_knobs(lambda: losses.knobs() + advantages.knobs())  # + every registered knob: gspo_eps_low, adv_eps, red...
 class ObjectiveConfig:
     """The `objective:` section of the config. Each option names the equation it implements."""
 
@@ -80,12 +71,11 @@ class ObjectiveConfig:
     """weight of KL(pi || pi_ref) in eq. 7."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL(pi||pi_ref) estimator: k1 = logp-ref, k2 = (logp-ref)^2/2, k3 = e^(ref-logp)-(ref-logp)-1."""
-    adv_scale: Literal["group", "batch", "none"] = "group"
-    """eq. 2 denominator: group std (GRPO), batch std (group mean, batch std), none (Dr. GRPO / REC: r - mean)."""
-    adv_eps: float = 1e-4
-    """epsilon of eq. 2, under the square root: A = (r - mu) / sqrt(sigma^2 + eps); the theorem needs 0 < eps < 1."""
-    mask_zero_variance: bool = False
-    """eq. 8: a group whose G rewards are all equal gets weight 0 (DAPO's filter, grounded by Theorem 1)."""
+    advantage: str = "group"
+    """the advantage estimator, one of grpo/advantages.py's ADVANTAGES (docs/objectives.md): group = eq. 2,
+    batch (group mean, batch std), none (Dr. GRPO / REC: r - mean), rloo (leave-one-out), reinforce_pp
+    (REINFORCE++'s batch-normalised baseline). Its knobs (adv_eps) and the steps around it (RED:
+    red, red_tau; eq. 8: mask_zero_variance) are fields too, from that registry."""
     mask_truncated: bool = False
     """give weight 0 to completions cut at max_new_tokens (DAPO overlong filtering)."""
     aggregation: Literal["seq_mean", "token_mean", "seq_sum_norm"] = "seq_mean"
@@ -96,10 +86,6 @@ class ObjectiveConfig:
     count_masked: bool = True
     """True: masked / dropped / truncated-masked samples stay in num_seqs, num_tokens as zeros (eq. 8 read
     literally: E_x 1[sigma != 0](...)). False: they leave the batch (DAPO-style dynamic sampling)."""
-    red: Literal["none", "drop", "weight"] = "none"
-    """2509.24203 RED. drop: drop random excess negatives of a group so #neg <= #pos. weight: w_i = exp(A_i / red_tau)."""
-    red_tau: float = 1.0
-    """temperature of RED-Weight."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eps_low <= 1.0:
@@ -112,117 +98,17 @@ class ObjectiveConfig:
             raise ValueError(f"is_floor: must be > 0 or null, got {self.is_floor}")
         if self.beta < 0.0:
             raise ValueError(f"beta: must be >= 0, got {self.beta}")
-        if not 0.0 < self.adv_eps < 1.0:
-            raise ValueError(f"adv_eps: must be in (0, 1) (Theorem 1 of 2505.22257), got {self.adv_eps}")
         if self.max_len_norm is not None and self.max_len_norm < 1:
             raise ValueError(f"max_len_norm: must be >= 1 or null, got {self.max_len_norm}")
-        if not self.red_tau > 0.0:
-            raise ValueError(f"red_tau: must be > 0, got {self.red_tau}")
         # The loss and correction names, their knobs and their own checks (the ring margins, is_cap
-        # for a correction, ...): the registry's.
+        # for a correction, ...), and the advantage's: the registries'.
         losses.check_config(self)
+        advantages.check_config(self)
 
     @property
     def correction(self) -> str:
         """The correction in force: is_correction, or from is_cap when it is null (losses.correction_name)."""
         return correction_name(self)
-
-
-# ----------------------------------------------------------------------------------------------
-# Group advantages (eq. 2), zero-variance masking (eq. 8), RED, and the bound's M
-# ----------------------------------------------------------------------------------------------
-
-def group_advantages(rewards: Tensor, group_size: int, cfg: ObjectiveConfig, *,
-                     generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor, dict]:
-    """Advantages A_alpha(x, y_i) of eq. 2 for a flat batch of B*G rewards.
-
-    rewards [B*G], grouped consecutively (prompt b owns rows b*G .. b*G+G-1); pass the WHOLE batch
-    (group and batch statistics are taken over what is passed).
-
-    Variance: POPULATION variance (divide by G), sigma^2 = mean_i (r_i - mean)^2. Eq. 2 defines
-    sigma^2_{alpha,r} = E_{y~alpha}(r - mu)^2 and the plug-in estimate of that is the population
-    formula; with 0/1 rewards it equals p(1-p) of the Bernoulli used in the paper's discussion of
-    (1 - sigma)/sigma, and it keeps sigma <= 1/2 for rewards in [0, 1] as Theorem 1 needs. (TRL's
-    torch.std is the sample variance: a factor sqrt(G/(G-1)), 1.03 at G = 16.)
-
-      adv_scale=group: A = (r - mean_g) / sqrt(var_g + adv_eps)       (eq. 2, GRPO)
-      adv_scale=batch: A = (r - mean_g) / sqrt(var_batch + adv_eps)   (group mean, batch std)
-      adv_scale=none:  A = r - mean_g                                 (Dr. GRPO; REINFORCE/REC of 2509.24203)
-
-    seq_weight [B*G] multiplies the whole per-sample loss (surrogate and KL, as in eq. 8):
-      0 for groups with all rewards equal if mask_zero_variance (eq. 8);
-      red=drop: when a group has more negatives (r < mean) than positives (r >= mean), the excess
-        negatives, chosen at random (`generator`), get weight 0 and advantage 0, and the kept samples'
-        advantages use the mean (and std) of the kept rewards (as the authors' Trinity-RFT code);
-      red=weight: exp(A_i / red_tau), with A_i the final advantage above (2509.24203 RED-Weight);
-      1 otherwise.
-
-    stats (python floats): reward_mean, reward_std (batch, population), group_std_mean,
-    zero_var_frac (fraction of groups with equal rewards), masked_frac (fraction of samples given
-    weight 0 by eq. 8), red_drop_frac, seq_weight_mean, bound_M = M_{alpha,r,eps} =
-    sqrt(mean_x (1 - sigma_eps(x))^2 / sigma_eps(x)^2) with sigma_eps = sqrt(var_g + adv_eps)
-    (definition after Corollary 1; assumes rewards scaled to [0, 1]) and bound_M_nonzero, the same
-    over groups with nonzero variance only (what eq. 8 masking leaves in the bound).
-    """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards: expected a flat [B*G] tensor, got shape {tuple(rewards.shape)}")
-    if group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"group_size: {rewards.numel()} rewards do not split into groups of {group_size}")
-    if rewards.numel() == 0:
-        raise ValueError("rewards: empty batch")
-    if not torch.isfinite(rewards).all():
-        bad = int((~torch.isfinite(rewards)).nonzero()[0])
-        raise ValueError(f"rewards: non-finite value at row {bad}: {rewards[bad].item()}")
-    out_device, out_dtype = rewards.device, torch.promote_types(rewards.dtype, torch.float32)
-    r = rewards.detach().to("cpu", torch.float64).view(-1, group_size)  # [B, G]
-    num_groups = r.shape[0]
-
-    zero_var = (r.max(dim=1).values == r.min(dim=1).values)  # [B] exact equality: "all equal"
-    keep = torch.ones_like(r, dtype=torch.bool)
-    if cfg.red == "drop":
-        is_pos = r >= r.mean(dim=1, keepdim=True)
-        for b in range(num_groups):
-            neg_idx = (~is_pos[b]).nonzero().flatten()
-            excess = len(neg_idx) - int(is_pos[b].sum())
-            if excess > 0:
-                drop = neg_idx[torch.randperm(len(neg_idx), generator=generator)[:excess]]
-                keep[b, drop] = False
-
-    # Group statistics over the kept samples (all of them unless RED-Drop removed some).
-    n_kept = keep.sum(dim=1, keepdim=True).to(r.dtype)
-    mean_g = (r * keep).sum(dim=1, keepdim=True) / n_kept
-    var_g = (((r - mean_g) ** 2) * keep).sum(dim=1, keepdim=True) / n_kept  # population variance
-    centred = (r - mean_g) * keep
-    if cfg.adv_scale == "group":
-        adv = centred / torch.sqrt(var_g + cfg.adv_eps)
-    elif cfg.adv_scale == "batch":
-        adv = centred / math.sqrt(float(r.var(unbiased=False)) + cfg.adv_eps)
-    else:
-        adv = centred
-
-    seq_weight = keep.to(r.dtype)
-    if cfg.mask_zero_variance:
-        seq_weight = seq_weight * (~zero_var).to(r.dtype).unsqueeze(1)
-    if cfg.red == "weight":
-        seq_weight = seq_weight * torch.exp(adv / cfg.red_tau)
-
-    # M_{alpha,r,eps} of Theorem 1 / eq. 4, from the full groups (the bound is about alpha's rewards).
-    full_var = r.var(dim=1, unbiased=False)
-    sigma_eps = torch.sqrt(full_var + cfg.adv_eps)
-    m_terms = (1.0 - sigma_eps) ** 2 / sigma_eps ** 2
-    nonzero = ~zero_var
-    stats = {
-        "reward_mean": float(r.mean()),
-        "reward_std": float(r.std(unbiased=False)),
-        "group_std_mean": float(full_var.sqrt().mean()),
-        "zero_var_frac": float(zero_var.to(r.dtype).mean()),
-        "masked_frac": float(zero_var.to(r.dtype).mean()) if cfg.mask_zero_variance else 0.0,
-        "red_drop_frac": float((~keep).to(r.dtype).mean()),
-        "seq_weight_mean": float(seq_weight.mean()),
-        "bound_M": float(m_terms.mean().sqrt()),
-        "bound_M_nonzero": float(m_terms[nonzero].mean().sqrt()) if nonzero.any() else float("nan"),
-    }
-    return (adv.flatten().to(out_device, out_dtype), seq_weight.flatten().to(out_device, out_dtype), stats)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -564,131 +450,48 @@ def finalize_stats(sums: dict[str, Tensor]) -> dict[str, float]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Which path runs a config: the fused kernel, the torch maths in its place, or the sequence path
-# ----------------------------------------------------------------------------------------------
+# The logged names of finalize_stats' keys (grpo.metrics.train_row logs every other key as named).
+# kl is KL(pi || pi_ref) of eq. 7; tv_pik_alpha and kl_pik_alpha are the drift between the
+# trainer's pi_k and the sampler alpha (Theorem 1's terms). num_seqs is not logged: the per-token
+# paths cannot count sequences (0 there), and num_tokens says how many tokens the step saw.
+LOGGED_AS = {"kl_mean": "kl", "tv_mean": "tv_pik_alpha", "kl_pik_alpha_mean": "kl_pik_alpha", "num_seqs": None}
 
-def objective_with_grad(logp: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor], logp_ref: Optional[Tensor],
-                        adv: Tensor, weights: Tensor, cfg: ObjectiveConfig, block=None) -> tuple[Tensor, Tensor, Tensor]:
-    """`objective` in the fused kernel's contract (kernels.triton_objective): flat inputs ->
-    (loss, stats vector in kernels.contract.STAT_KEYS order, d loss / d logp), by autograd. Per-token
-    configs only: the LM head calls it chunk by chunk, and a chunk may cut a sequence."""
-    if needs_sequences(cfg):
-        raise ValueError(f"loss {cfg.loss!r} with is_correction {cfg.correction!r} needs whole sequences: "
-                         "use objective_of_hidden, not the fused LM head")
-    with torch.enable_grad():
-        leaf = logp.detach().requires_grad_()
-        loss, stats = objective(leaf, logp_alpha, logp_k, logp_ref, adv, weights, cfg)
-        (grad_logp,) = torch.autograd.grad(loss, leaf)
-    return loss.detach(), torch.stack([stats[key].float() for key in STAT_KEYS]), grad_logp
-
-
-def has_kernel(cfg: ObjectiveConfig) -> bool:
-    """Whether the fused Triton loss kernel computes cfg's objective (kernels.LOSS_CODES /
-    CORRECTION_CODES name its loss and correction, and the objective is per token)."""
-    return not needs_sequences(cfg) and kernels.missing_kernel(cfg) is None
-
-
-def objective_path(cfg: ObjectiveConfig, device: torch.device, kernel_config: "kernels.KernelConfig") -> str:
-    """How the trainer runs cfg's objective on `device`:
-      "sequence": a loss or correction that needs whole sequences: kernels.lm_head_logprobs, then
-                  `objective` with each token's sequence, then autograd (objective_of_hidden);
-      "kernel":   kernels.lm_head_objective with the fused Triton loss (kernels.triton_objective);
-      "torch":    kernels.lm_head_objective with this module's torch maths (objective_with_grad):
-                  on CPU, and on CUDA for a per-token loss without a kernel."""
-    if needs_sequences(cfg):
-        return "sequence"
-    if kernels.resolve_backend(kernel_config.backend, device) == "triton" and has_kernel(cfg):
-        return "kernel"
-    return "torch"
+STEP_STATS = metrics.declare_many("train", {
+    "loss": "the objective's value (what is minimised)",
+    "num_tokens": "active tokens of the step (weight > 0), all ranks",
+    "clip_frac": "fraction of active tokens whose ratio is clipped (below or above the band)",
+    "clip_low_frac": "... below the band",
+    "clip_high_frac": "... above the band",
+    "clip_frac_adv_pos": "among the tokens with A > 0, the fraction clipped (below or above the band: grpo's f_eps "
+                         "and one-sided REC clip them only above, CISPO and two-sided / ring REC on either side); "
+                         "missing when no token has A > 0",
+    "clip_frac_adv_neg": "the same among the tokens with A < 0 (grpo's f_eps and one-sided REC: only below); missing "
+                         "when no token has A < 0. Tokens with A = 0 are in neither",
+    "kl": "KL(pi || pi_ref) of eq. 7 per token, with `objective.kl_estimator`",
+    "ratio_mean": "the ratio r the clip acts on (`ratio_anchor: approx`: pi/pi_k; `exact`: pi/alpha), mean",
+    "ratio_std": "... std", "ratio_min": "... min", "ratio_max": "... max",
+    "is_weight_mean": "the importance weight pi_k/alpha after its correction, mean",
+    "is_weight_std": "... std", "is_weight_min": "... min", "is_weight_max": "... max",
+    "is_capped_frac": "fraction of tokens whose importance weight was truncated",
+    "is_masked_frac": "fraction of tokens the correction masked out",
+    "is_weight_ess": "Kish's effective sample size of the importance weights over the active tokens, as a fraction: "
+                     "(sum w)^2 / (n sum w^2); 1 when all are equal, small when a few tokens carry the batch",
+    "seq_ratio_mean": "mean over sequences of the geometric-mean ratio (GSPO's s_i), where the config needs whole "
+                      "sequences",
+    "seq_capped_frac": "fraction of sequences with a truncated weight (sequence-level configs)",
+    "seq_masked_frac": "fraction of sequences with a masked weight (sequence-level configs)",
+})
+DRIFT_STATS = metrics.declare_many("bound", {
+    "tv_pik_alpha": "TV(pi_k, alpha), estimated per token from sampled-token log-probs as |pi_k/alpha - 1| / 2",
+    "kl_pik_alpha": "KL(alpha || pi_k), the k3 estimator w - 1 - log w with w = pi_k/alpha",
+})
 
 
-_warned: set = set()
-
-
-def _warn_no_kernel(cfg: ObjectiveConfig, path: str) -> None:
-    key = (cfg.loss, cfg.correction, path)
-    if key in _warned:
-        return
-    _warned.add(key)
-    why = ("it needs whole sequences: log-probs, then its torch definition with autograd" if path == "sequence"
-           else f"{kernels.missing_kernel(cfg)}: its torch definition runs inside the fused LM head")
-    warnings.warn(f"objective: loss {cfg.loss!r} with is_correction {cfg.correction!r} runs no Triton loss kernel "
-                  f"on this device ({why})", stacklevel=3)
-
-
-def objective_fn_for(device: torch.device, kernel_config: "kernels.KernelConfig",
-                     cfg: Optional[ObjectiveConfig] = None):
-    """The objective inside kernels.lm_head_objective: the fused Triton kernel where the kernels run
-    Triton (CUDA; the interpreter in tests) and it has cfg's loss and correction, this module's torch
-    maths elsewhere (a loss without a kernel warns once: it runs, never a KeyError). cfg None: the
-    choice by device alone (the kernel on Triton). A config that needs whole sequences has no place
-    here (objective_of_hidden runs it)."""
-    if cfg is not None and needs_sequences(cfg):
-        raise ValueError(f"loss {cfg.loss!r} with is_correction {cfg.correction!r} needs whole sequences, but the "
-                         "fused LM head computes each token's gradient from that token alone: use objective_of_hidden")
-    if kernels.resolve_backend(kernel_config.backend, device) == "triton":
-        if cfg is None or has_kernel(cfg):
-            return kernels.triton_objective
-        _warn_no_kernel(cfg, "torch")
-    return objective_with_grad
-
-
-def check_objective_path(cfg: ObjectiveConfig, device: torch.device, kernel_config: "kernels.KernelConfig") -> str:
-    """The trainer's start-up check of its objective (call once, before the first step): the path
-    (objective_path); on a Triton device, one warning when the config runs no loss kernel, and where
-    it does, a launch proving the kernel stores every statistic slot of kernels.contract (a RuntimeError
-    naming the slots it leaves unwritten, which would otherwise be silent garbage)."""
-    path = objective_path(cfg, device, kernel_config)
-    if kernels.resolve_backend(kernel_config.backend, device) == "triton":
-        if path == "kernel":
-            kernels.check_stat_slots(cfg, has_ref=cfg.beta > 0, device=device)
-        else:
-            _warn_no_kernel(cfg, path)
-    return path
-
-
-def objective_of_hidden(hidden: Tensor, weight: Tensor, targets: Tensor, logp_alpha: Tensor, logp_k: Optional[Tensor],
-                        logp_ref: Optional[Tensor], adv: Tensor, weights: Tensor, cfg: ObjectiveConfig, *,
-                        seq_index: Optional[Tensor], temperature: float, with_entropy: bool,
-                        kernel_config: "kernels.KernelConfig"
-                        ) -> tuple[Tensor, dict[str, Tensor], Tensor, Optional[Tensor]]:
-    """The objective of the LM head's log-probs, by the path cfg needs: kernels.lm_head_objective's
-    arguments (flat [N] per-token tensors aligned with hidden's rows) plus seq_index [N], each
-    token's sequence (required by the configs that need whole sequences); the same returns (loss, stats keyed by STAT_KEYS, logp [N] detached, entropy
-    [N] detached or None).
-      per-token configs: kernels.lm_head_objective with objective_fn_for(..., cfg) (gradients during
-        the forward; backward is a multiply);
-      configs that need whole sequences: kernels.lm_head_logprobs (differentiable), then `objective`
-        with seq_index; backward goes through autograd (the head's backward recomputes its logits)."""
-    if not needs_sequences(cfg):
-        return kernels.lm_head_objective(
-            hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg,
-            objective_fn=objective_fn_for(hidden.device, kernel_config, cfg), temperature=temperature,
-            with_entropy=with_entropy, config=kernel_config)
-    if seq_index is None:
-        raise ValueError(f"seq_index: loss {cfg.loss!r} with is_correction {cfg.correction!r} needs each token's "
-                         "sequence (the micro-batch's seq_of_token)")
-    logp, entropy = kernels.lm_head_logprobs(hidden, weight, targets, temperature=temperature,
-                                             with_entropy=with_entropy, config=kernel_config)
-    loss, stats = objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, seq_index=seq_index)
-    return loss, stats, logp.detach(), None if entropy is None else entropy.detach()
-
-
-def _check_kernel_codes() -> None:
-    """kernels/ names the losses and corrections it has kernels for; each must be a registered
-    per-token one (a kernel without a torch definition would have nothing to be tested against)."""
-    for name in kernels.LOSS_CODES:
-        if name not in LOSSES or LOSSES[name].per != "token":
-            raise RuntimeError(f"kernels/loss.py LOSS_CODES has a kernel for {name!r}, which grpo/losses.py does "
-                               "not register as a per-token loss")
-        if LOSSES[name].anchored != (name in kernels.loss.ANCHORED_LOSSES):
-            raise RuntimeError(f"kernels/loss.py ANCHORED_LOSSES and grpo/losses.py disagree on whether {name!r} "
-                               "reads ratio_anchor")
-    for name in kernels.CORRECTION_CODES:
-        if name not in CORRECTIONS or CORRECTIONS[name].level not in ("none", "token"):
-            raise RuntimeError(f"kernels/loss.py CORRECTION_CODES has {name!r}, which grpo/losses.py does not "
-                               "register as a token-level correction")
-
-
-_check_kernel_codes()
+def logged_stats(stats: dict[str, float]) -> dict[str, float]:
+    """finalize_stats' keys as a training row logs them (LOGGED_AS)."""
+    out = {}
+    for key, value in stats.items():
+        name = LOGGED_AS.get(key, key)
+        if name is not None:
+            out[name] = value
+    return out

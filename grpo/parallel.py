@@ -253,3 +253,20 @@ def gather_full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = N
             out[name] = full.cpu()
         del full
     return out
+
+
+def on_main_rank(is_main: bool, work):
+    """work() on rank 0 and its (JSON) result on every rank (collective); a full disk there stops
+    every rank alike, rather than leaving the others waiting for rank 0."""
+    from grpo.fsutil import NoSpaceError
+
+    outcome = None
+    if is_main:
+        try:
+            outcome = {"result": work()}
+        except NoSpaceError as e:
+            outcome = {"no_space": str(e)}
+    outcome = broadcast_json(outcome)
+    if "no_space" in outcome:
+        raise NoSpaceError(outcome["no_space"])
+    return outcome["result"]

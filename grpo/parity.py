@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from grpo import metrics
 from grpo.fsutil import fsync_dir, write_durable
 from grpo.serving.client import SCORE_MAX_TOKENS
 
@@ -119,6 +120,20 @@ class ParityProbe:
     def load(cls, run_dir: str | os.PathLike) -> Optional["ParityProbe"]:
         path = Path(run_dir) / PROBE_FILE
         return cls.from_json(json.loads(path.read_text())) if path.is_file() else None
+
+
+PARITY_KEYS = metrics.declare_many("bound", {
+    "parity_tokens": "the parity probe's scored tokens: on the first step after each push (and the first of the run) "
+                     "the engine and the trainer score the same tokens with the same weights "
+                     "([offpolicy.md](offpolicy.md))",
+    "parity_filtered_frac": "fraction of probe tokens the engine's top-k/top-p filter leaves out",
+    "parity_max_abs": "max |log pi_trainer - log pi_engine| over the probe",
+    "parity_mean_abs": "mean |log pi_trainer - log pi_engine|",
+    "parity_kl": "mean of w - 1 - log w, w = pi_trainer / pi_engine (the k3 term of kl_mismatch on the probe)",
+    "parity_tv": "mean of |w - 1| / 2",
+    "parity_frac_over": "fraction of probe tokens with |d log p| > `parity.threshold`",
+})
+metrics.declare("time_parity", "time", "the parity probe after a push, both sides ([offpolicy.md](offpolicy.md))")
 
 
 def parity_stats(engine: list[list[float]], trainer: list[list[float]], threshold: float) -> dict[str, float]:

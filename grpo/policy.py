@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 
 import kernels
-from grpo.objective import ObjectiveConfig, objective_of_hidden
+from grpo.kernel_dispatch import objective_of_hidden
+from grpo.objective import ObjectiveConfig
 
 
 @dataclass
@@ -78,3 +79,15 @@ class Policy(torch.nn.Module):
             seq_index=o.seq_index, temperature=self.temperature, with_entropy=with_entropy,
             kernel_config=self.kernel_cfg)
         return PolicyOutput(loss, stats, logp, entropy)
+
+
+@torch.no_grad()
+def copy_policy(frozen: Policy, policy: Policy) -> None:
+    """frozen <- pi_theta: pi_ref at the end of a stage, pi_push at a push. Same sharding on both,
+    so a local copy of each shard."""
+    # FSDP2 leaves the root's parameters unsharded after a forward it did not backprop through
+    # (the no-grad reference pass); reshard so both sides are DTensor shards.
+    frozen.reshard()
+    policy.reshard()
+    for p_frozen, p in zip(frozen.parameters(), policy.parameters()):
+        p_frozen.copy_(p)

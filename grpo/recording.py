@@ -199,24 +199,18 @@ class RecordedStream:
     def rollout(self, stage: int, iteration: int, cfg):
         """Batch (stage, iteration) as grpo.rollout.sample_rollout would return it under `cfg` (a
         stream `check` passed): the recorded sequences, log-probs of alpha and rewards; advantages
-        and weights (eq. 2, eq. 8, RED with the batch's own seed) from cfg.objective, so another
-        objective sees its own."""
-        import torch
-
-        from grpo.objective import group_advantages
+        and weights (eq. 2, eq. 8, RED with the batch's own seed) from cfg.objective through the
+        function sampling calls (grpo.advantages.batch_advantages), so another objective sees its own."""
+        from grpo.advantages import batch_advantages
         from grpo.rollout import Rollout, Sample, batch_stats
 
         rows = pq.read_table(self.files[(stage, iteration)]).to_pylist()  # checked by `check`
-        G = cfg.grpo.G
-        seed = rows[0]["seed"]
-        rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
-        adv, seq_weight, adv_stats = group_advantages(rewards, G, cfg.objective,
-                                                      generator=torch.Generator().manual_seed(seed))
+        adv, seq_weight, adv_stats = batch_advantages([r["reward"] for r in rows], cfg, rows[0]["seed"])
         samples = [Sample(group=r["group"], prompt_ids=r["prompt_ids"], completion_ids=r["completion_ids"],
                           logp_alpha=r["logp_alpha"], truncated=r["truncated"], reward=r["reward"],
-                          correct=r["correct"], adv=float(adv[j]), seq_weight=float(seq_weight[j]),
+                          correct=r["correct"], adv=adv[j], seq_weight=seq_weight[j],
                           weights_version=r["weights_version"]) for j, r in enumerate(rows)]
-        stats = {**adv_stats, **batch_stats(samples, G), "reward_timeouts": 0.0, "time_generate": 0.0,
+        stats = {**adv_stats, **batch_stats(samples), "reward_timeouts": 0.0, "time_generate": 0.0,
                  "time_reward": 0.0, "engine": {}}
         return Rollout(samples, stats)
 

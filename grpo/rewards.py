@@ -1,65 +1,257 @@
-"""Rewards r(x, y) in [0, 1]: math-verify correctness of the last \\boxed{} answer, plus an optional format term.
+"""Rewards r(x, y) as a weighted sum of registered terms, each a pure function of one completion.
 
-    r = (1 - format_weight) * correct + format_weight * format_ok
+    reward:
+      terms: {correct: 1.0, format: 0.1}         # r = sum_t weight_t * term_t(completion)
 
-where correct = 1 when math-verify finds the completion's final answer equal to the gold answer,
-and format_ok = 1 when the completion holds exactly one balanced \\boxed{...}.
+A term sees one completion: its text, token count, whether it was truncated, the budget it was
+sampled under, the gold answer and the problem (`Completion`). It is registered by name with the
+range of its values, its knobs (fields of the `reward:` section) and whether it must run in the
+worker pool (grpo/reward_pool.py: a time-bounded process, for math-verify) or may run in-process:
 
-Time bound. math-verify (sympy underneath) can run for ever on adversarial text (`10^{10^{10^{10}}}`
-never finishes comparing; 1000 nested braces take ~16 s to parse), and its own signal.alarm
-timeouts only work on a process's main thread. So every completion is scored in a worker process
-(everything, brace matching included) with a deadline measured in the trainer: a worker past its
-deadline is killed and replaced (~1 s to start a new one), its completion scores 0 and is counted
-in info["timeouts"]. The pool is created once and scores completions in parallel.
+    @register_term("concise", range=(0.0, 1.0), equation="1 - num_tokens / max_tokens")
+    def concise(c: Completion, cfg) -> float:
+        return 1.0 - c.num_tokens / c.max_tokens
+
+Shipped: `correct` (math-verify equivalence of the last \\boxed{} answer with the gold one, in
+the pool), `format` (exactly one balanced \\boxed{}) and `overlong` (DAPO's soft overlong
+penalty). The reward's range, the weighted sum of the terms' ranges (`reward_range`), is what the
+objective scales rewards by for the bound's M (grpo/advantages.py); a term whose range leaves [0, 1]
+(a penalty) is allowed. Each configured term's batch mean is logged (reward_term_<name>), and
+correctness is always checked, whatever its weight: it is the task's measure (pass_rate, eval).
 """
 from __future__ import annotations
 
-import collections
-import logging
+import inspect
 import math
-import multiprocessing.connection
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
 
-_THIS_FILE = os.path.abspath(__file__)  # workers run this file (see _Worker)
-PIPELINE_DEPTH = 2  # tasks queued per worker, so it starts the next one without a round trip
-PIPELINE_MAX_CHARS = 16_000  # larger tasks go only to idle workers (socket buffer ~200 KB)
+from grpo import metrics, registry
+from grpo.registry import Knob
+from grpo.reward_pool import WorkerPool
+
 _BOXED_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACE = re.compile(r"[{}]")
+CORRECT = "correct"  # the term that decides pass_rate and the evaluation's pass@k
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What a reward term sees of one sampled completion."""
+
+    text: str
+    gold: str  # the problem's gold answer
+    num_tokens: Optional[int] = None  # completion tokens
+    truncated: bool = False  # cut at the budget without an end-of-sequence token
+    max_tokens: Optional[int] = None  # the budget it was sampled under (grpo.max_new_tokens, eval.max_tokens)
+    problem: Any = None  # the grpo.data.Problem it answers (id, prompt, answer, source)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A term's value with what it saw: status "ok", "no_answer" or "error: ..."; answer: what it
+    extracted (the correctness term: the last \\boxed{} content), for evaluation's majority vote."""
+
+    value: float
+    status: str = "ok"
+    answer: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    fn: Callable[[Completion, Any], Any]  # (completion, reward cfg) -> float | Scored
+    range: tuple[float, float]  # [lo, hi] of its values; a timed-out or failed completion scores lo
+    pool: bool  # runs in the worker pool with a deadline (grpo/reward_pool.py), else in-process
+    equation: str
+    paper: str
+    knobs: tuple = ()
+    setup: Optional[Callable[[], None]] = None  # run once in each worker before it says ready (slow imports)
+
+    @property
+    def source(self) -> tuple[str, str, str]:
+        """(module, file, function name): where the worker pool finds the term."""
+        return _source(self.fn)
+
+
+def _source(fn) -> tuple[str, str, str]:
+    return fn.__module__, inspect.getfile(fn), fn.__name__
+
+
+TERMS: dict[str, Term] = {}
+
+
+def register_term(name: str, *, range: tuple[float, float], equation: str, paper: str = "-", pool: bool = False,
+                  knobs: tuple = (), setup: Optional[Callable[[], None]] = None):
+    """Decorator: register fn(c: Completion, cfg) -> float (or Scored) as the reward term `name`;
+    cfg is the `reward:` section (its knobs). Its batch mean is logged as reward_term_<name>."""
+    lo, hi = range
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ValueError(f"term {name}: range must be finite with lo < hi, got {range}")
+
+    def register(fn):
+        if name in TERMS:
+            raise ValueError(f"reward term {name!r} is already registered")
+        TERMS[name] = Term(name, fn, (float(lo), float(hi)), pool, equation, paper, tuple(knobs), setup)
+        metrics.declare(f"reward_term_{name}", "rollout", f"batch mean of the reward term `{name}` before its weight "
+                        f"(range [{lo:g}, {hi:g}]): {equation}", module=fn.__module__)
+        registry.add_knobs()
+        return fn
+    return register
+
+
+def knobs() -> list[Knob]:
+    return registry.unique_knobs(term.knobs for term in TERMS.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The `reward:` section
 
 
 @dataclass
+@registry.with_knobs(knobs)  # + every registered term's knobs: require_boxed, overlong_buffer, ...
 class RewardConfig:
-    format_weight: float = 0.0  # weight of the format term (exactly one \boxed{}); correctness gets 1 - this
-    timeout_s: float = 5.0  # deadline per completion in a worker; past it the completion scores 0
-    workers: int = 2  # worker processes; 0 = score in this process (main thread only, math-verify's alarm)
-    # No \boxed{} -> correct = 0. False: math-verify takes the answer from the text ("the answer is",
-    # else the last number), for models that rarely box (SmolLM2-135M: 56 of 64 samples unboxed).
-    require_boxed: bool = True
+    terms: dict[str, float] = field(default_factory=lambda: {CORRECT: 1.0})
+    """the reward, term name -> weight: r = sum_t weight_t * term_t (registered terms: docs/objectives.md)."""
+    timeout_s: float = 5.0  # deadline per completion for a pool term; past it the completion scores the term's minimum
+    workers: int = 2  # worker processes of the pool; 0 = run pool terms in this process (main thread only)
     start_timeout_s: float = 120.0  # a worker not ready after this long is an error (e.g. import failure)
 
     def __post_init__(self):
-        if not 0.0 <= self.format_weight <= 1.0:
-            raise ValueError(f"format_weight: must be in [0, 1], got {self.format_weight}")
+        if not isinstance(self.terms, dict) or not self.terms:
+            raise ValueError(f"terms: a mapping of term name to weight, e.g. {{correct: 1.0}}, got {self.terms!r}")
+        for name, weight in self.terms.items():
+            if name not in TERMS:
+                raise ValueError(f"terms: unknown term {name!r} (registered: {sorted(TERMS)})")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ValueError(f"terms: {name}: the weight must be a finite number, got {weight!r}")
+        lo, hi = reward_range(self)
+        if not hi > lo:
+            raise ValueError(f"terms: the weighted reward has no range ([{lo:g}, {hi:g}]): give a term a nonzero weight")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
         if self.workers < 0:
             raise ValueError(f"workers: must be >= 0, got {self.workers}")
         if not self.start_timeout_s > 0:
             raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s}")
+        registry.check_knobs(self, knobs())
+
+
+def reward_range(cfg: RewardConfig) -> tuple[float, float]:
+    """[lo, hi] of the weighted sum: each term's range times its weight, added (what the bound's M
+    scales rewards by; [0, 1] for the default `{correct: 1.0}`)."""
+    lo = hi = 0.0
+    for name, weight in cfg.terms.items():
+        a, b = (weight * v for v in TERMS[name].range)
+        lo, hi = lo + min(a, b), hi + max(a, b)
+    return lo, hi
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure functions (run inside the workers)
+# The scorer
 
+
+class RewardScorer:
+    """Scores completions: pool terms in the worker pool (each with a deadline), the others here.
+
+    with RewardScorer(RewardConfig(workers=2)) as scorer:
+        rewards, info = scorer.score([Completion(text, gold, num_tokens, truncated, max_tokens, problem), ...])
+
+    info: n, correct (list of 0/1: the correctness term, always checked), terms (name -> list of
+    values of each configured term), term_means (reward_term_<name> -> batch mean), extracted (the
+    last \\boxed{} contents or None), accuracy, timeouts, errors (a term raised or a worker died),
+    no_answer (no balanced \\boxed{} while require_boxed), unique_pairs (pool tasks run), seconds.
+    """
+
+    def __init__(self, cfg: Optional[RewardConfig] = None):
+        self.cfg = cfg or RewardConfig()
+        self.pooled = [name for name in dict.fromkeys([CORRECT, *self.cfg.terms]) if TERMS[name].pool]
+        setups = [_source(TERMS[name].setup) for name in self.pooled if TERMS[name].setup is not None]
+        self.pool = WorkerPool(self.cfg.workers, self.cfg.timeout_s, self.cfg.start_timeout_s,
+                               {name: TERMS[name].source for name in self.pooled}, setups, asdict(self.cfg))
+
+    @property
+    def total_timeouts(self) -> int:
+        return self.pool.total_timeouts
+
+    def score(self, completions: list[Completion]) -> tuple[list[float], dict]:
+        import time
+
+        t0 = time.monotonic()
+        values, statuses, answers, unique = self._run_pool(completions)
+        for name in self.cfg.terms:
+            if name not in values:  # in-process terms
+                values[name] = [float(_value(TERMS[name].fn(c, self.cfg))) for c in completions]
+        rewards = [0.0] * len(completions)
+        for name, weight in self.cfg.terms.items():
+            rewards = [r + weight * v for r, v in zip(rewards, values[name])]
+        correct, status = values[CORRECT], statuses[CORRECT]
+        pooled_statuses = [s for name in self.pooled for s in statuses[name]]
+        info = {
+            "n": len(completions),
+            "correct": correct,
+            "terms": {name: values[name] for name in self.cfg.terms},
+            "term_means": {f"reward_term_{name}": sum(values[name]) / max(len(completions), 1)
+                           for name in self.cfg.terms},
+            "extracted": answers[CORRECT],
+            "accuracy": sum(correct) / max(len(correct), 1),
+            "timeouts": pooled_statuses.count("timeout"),
+            "errors": sum(s.startswith(("error", "worker died")) for s in pooled_statuses),
+            "no_answer": status.count("no_answer"),
+            "unique_pairs": unique,
+            "seconds": time.monotonic() - t0,
+        }
+        return rewards, info
+
+    def _run_pool(self, completions):
+        """Every pool term on every completion, identical tasks once (GRPO groups often repeat short
+        answers): values (a failed or timed-out task scores its term's minimum), statuses, answers."""
+        tasks: dict[tuple, int] = {}
+        keys = {name: [tasks.setdefault((name, _task_key(c)), len(tasks)) for c in completions]
+                for name in self.pooled}
+        by_task = {index: (name, c) for name in self.pooled for index, c in zip(keys[name], completions)}
+        results = self.pool.run([by_task[i] for i in range(len(tasks))])
+        values, statuses, answers = {}, {}, {}
+        for name in self.pooled:
+            got = [results[i] for i in keys[name]]
+            lo = TERMS[name].range[0]
+            values[name] = [lo if v is None else v for v, _, _ in got]
+            statuses[name] = [s for _, s, _ in got]
+            answers[name] = [a for _, _, a in got]
+        return values, statuses, answers, len(tasks)
+
+    def wait_ready(self) -> None:
+        """Block until every pool worker has started (score() does not need this; benchmarks do)."""
+        self.pool.wait_ready()
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> "RewardScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _task_key(c: Completion) -> tuple:
+    problem_id = getattr(c.problem, "id", None)
+    return c.text, c.gold, c.num_tokens, c.truncated, c.max_tokens, problem_id
+
+
+def _value(out) -> float:
+    return out.value if isinstance(out, Scored) else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Shipped terms
 
 def boxed_contents(text: str) -> list[str]:
     """Contents of the outermost balanced \\boxed{...} (or \\fbox{...}) in order of appearance.
@@ -100,266 +292,68 @@ def gold_to_latex(gold: str) -> str:
     return f"\\boxed{{{gold}}}"
 
 
-def score_one(completion: str, gold: str, require_boxed: bool, timeout: Optional[int] = None,
-              gold_cache: Optional[dict] = None) -> tuple[float, float, str, Optional[str]]:
-    """(correct, format_ok, status, extracted) for one completion.
+_gold_cache: dict = {}  # parsed gold answers: a worker (or this process) parses each gold once
 
-    status is "ok", "no_answer" or "error: ..."; extracted is the last \\boxed{} content (first
-    1000 characters), None if there is none.
 
-    `timeout` is math-verify's own signal.alarm bound (main thread only); workers pass None.
-    """
+def _import_math_verify() -> None:
+    import math_verify  # noqa: F401
+
+
+@register_term(CORRECT, range=(0.0, 1.0), pool=True, setup=_import_math_verify,
+               paper="math-verify (Hugging Face): sympy equivalence of the answer with the gold one",
+               knobs=(Knob("require_boxed", True, bool, "correct: no \\boxed{} -> 0. False: math-verify takes the "
+                           "answer from the text (\"the answer is\", else the last number), for models that rarely "
+                           "box (SmolLM2-135M: 56 of 64 samples unboxed)"),),
+               equation="1 if math-verify finds the last \\boxed{} answer (require_boxed: false: the text's) equal "
+                        "to the gold answer, else 0")
+def correct(c: Completion, cfg) -> Scored:
+    """Math-verify with its own timeouts off: the worker pool bounds the time (grpo/reward_pool.py)."""
     from math_verify import parse, verify
 
-    boxes = boxed_contents(completion)
-    format_ok = 1.0 if len(boxes) == 1 else 0.0
+    boxes = boxed_contents(c.text)
     extracted = boxes[-1].strip()[:1000] if boxes else None
     if boxes:
         answer_text = f"\\boxed{{{boxes[-1]}}}"
-    elif require_boxed:
-        return 0.0, format_ok, "no_answer", None
+    elif cfg.require_boxed:
+        return Scored(0.0, "no_answer", None)
     else:
-        answer_text = completion
+        answer_text = c.text
     try:
-        if gold_cache is not None and gold in gold_cache:
-            gold_parsed = gold_cache[gold]
-        else:
-            gold_parsed = parse(gold_to_latex(gold), parsing_timeout=timeout)
-            if gold_cache is not None:
-                if len(gold_cache) > 4096:
-                    gold_cache.clear()
-                gold_cache[gold] = gold_parsed
-        answer_parsed = parse(answer_text, parsing_timeout=timeout)
-        correct = verify(gold_parsed, answer_parsed, timeout_seconds=timeout)
+        gold_parsed = _gold_cache.get(c.gold)
+        if gold_parsed is None:
+            gold_parsed = parse(gold_to_latex(c.gold), parsing_timeout=None)
+            if len(_gold_cache) > 4096:
+                _gold_cache.clear()
+            _gold_cache[c.gold] = gold_parsed
+        answer_parsed = parse(answer_text, parsing_timeout=None)
+        equal = verify(gold_parsed, answer_parsed, timeout_seconds=None)
     except Exception as e:  # math-verify raises rarely; a broken answer is a wrong answer, but count it
-        return 0.0, format_ok, f"error: {type(e).__name__}: {e}"[:200], extracted
-    return (1.0 if correct else 0.0), format_ok, "ok", extracted
+        return Scored(0.0, f"error: {type(e).__name__}: {e}"[:200], extracted)
+    return Scored(1.0 if equal else 0.0, "ok", extracted)
 
 
-def _worker_main(fd: int, require_boxed: bool) -> None:
-    """Worker loop on a socket: receive (key, completion, gold), send (key, *score_one(...))."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; close() ends us
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": we bound it
-    import math_verify  # noqa: F401  (import before saying ready, so deadlines exclude it)
-
-    conn = multiprocessing.connection.Connection(fd)
-    gold_cache: dict = {}
-    conn.send("ready")
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the trainer went away
-            return
-        if message is None:
-            return
-        key, completion, gold = message
-        conn.send((key, *score_one(completion, gold, require_boxed, None, gold_cache)))
+@register_term("format", range=(0.0, 1.0), equation="1 if the completion holds exactly one balanced \\boxed{}, else 0")
+def format_ok(c: Completion, cfg) -> float:
+    return 1.0 if len(boxed_contents(c.text)) == 1 else 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# The pool
+def _check_buffer(value) -> Optional[str]:
+    return None if value is None or value >= 1 else "must be >= 1 or null"
 
 
-class _Worker:
-    """One scoring process: a fresh interpreter (not multiprocessing's spawn/forkserver, which
-    would re-import the trainer's __main__, torch and vLLM included, in every worker), talking
-    over a socket pair with multiprocessing's message framing."""
-
-    def __init__(self, require_boxed: bool):
-        parent_sock, child_sock = socket.socketpair()
-        self.conn = multiprocessing.connection.Connection(parent_sock.detach())
-        child_fd = child_sock.detach()
-        # Run this file, not the package: whatever grpo/__init__ comes to import stays out of the
-        # workers. -I: neither the working directory nor PYTHON* variables can shadow modules.
-        code = (f"import runpy; runpy.run_path({_THIS_FILE!r}, run_name='grpo_reward_worker')"
-                f"['_worker_main']({child_fd}, {require_boxed!r})")
-        try:
-            self.process = subprocess.Popen([sys.executable, "-I", "-c", code], pass_fds=[child_fd],
-                                            stdin=subprocess.DEVNULL)
-        finally:
-            os.close(child_fd)
-        self.started_at = time.monotonic()
-        self.ready = False
-        self.queue: collections.deque[int] = collections.deque()  # keys sent, head being scored
-        self.deadline = math.inf  # for the head of the queue
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        self.conn.close()
-
-
-class RewardScorer:
-    """Scores completions against gold answers in worker processes with a per-completion deadline.
-
-    with RewardScorer(RewardConfig(workers=2)) as scorer:
-        rewards, info = scorer.score(completions, golds)
-
-    info: n, correct (list of 0/1), format_ok (list), extracted (list of last \\boxed{} contents or
-    None), accuracy, timeouts, errors (math-verify raised or a worker died), no_answer (no balanced
-    \\boxed{} while require_boxed), unique_pairs, seconds.
-    """
-
-    def __init__(self, cfg: Optional[RewardConfig] = None):
-        self.cfg = cfg or RewardConfig()
-        self._workers: list[_Worker] = []
-        self.total_timeouts = 0  # over the scorer's life, for logging
-        self._inline_gold_cache: dict = {}  # workers=0: parsed gold answers, as each worker keeps
-        if self.cfg.workers > 0:
-            self._workers = [_Worker(self.cfg.require_boxed) for _ in range(self.cfg.workers)]
-
-    # -- public ---------------------------------------------------------------------------------
-
-    def score(self, completions: list[str], golds: list[str]) -> tuple[list[float], dict]:
-        if len(completions) != len(golds):
-            raise ValueError(f"score: {len(completions)} completions but {len(golds)} gold answers")
-        t0 = time.monotonic()
-        # Identical (completion, gold) pairs are scored once: GRPO groups often repeat short answers.
-        unique: dict[tuple[str, str], int] = {}
-        keys = [unique.setdefault((c, g), len(unique)) for c, g in zip(completions, golds)]
-        pairs = list(unique)
-        if self.cfg.workers == 0:
-            results = self._score_inline(pairs)
-        else:
-            results = self._score_pool(pairs)
-        correct = [results[k][0] for k in keys]
-        format_ok = [results[k][1] for k in keys]
-        w = self.cfg.format_weight
-        rewards = [(1.0 - w) * c + w * f for c, f in zip(correct, format_ok)]
-        statuses = [results[k][2] for k in keys]
-        timeouts = statuses.count("timeout")
-        self.total_timeouts += timeouts
-        info = {
-            "n": len(completions),
-            "correct": correct,
-            "format_ok": format_ok,
-            "extracted": [results[k][3] for k in keys],
-            "accuracy": sum(correct) / max(len(correct), 1),
-            "timeouts": timeouts,
-            "errors": sum(s.startswith(("error", "worker died")) for s in statuses),
-            "no_answer": statuses.count("no_answer"),
-            "unique_pairs": len(pairs),
-            "seconds": time.monotonic() - t0,
-        }
-        return rewards, info
-
-    def wait_ready(self) -> None:
-        """Block until every worker has started (score() does not need this; benchmarks do)."""
-        for worker in self._workers:
-            while not worker.ready:
-                left = worker.started_at + self.cfg.start_timeout_s - time.monotonic()
-                if left <= 0 or not worker.conn.poll(left):
-                    raise RuntimeError(f"reward worker not ready after {self.cfg.start_timeout_s} s")
-                try:
-                    worker.ready = worker.conn.recv() == "ready"
-                except (EOFError, OSError):
-                    raise RuntimeError(f"reward worker exited during start-up "
-                                       f"(exit code {worker.process.wait()})") from None
-
-    def close(self) -> None:
-        for worker in self._workers:
-            try:
-                worker.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-        for worker in self._workers:
-            try:
-                worker.process.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                pass
-            worker.kill()
-        self._workers = []
-
-    def __enter__(self) -> "RewardScorer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    # -- inside ---------------------------------------------------------------------------------
-
-    def _score_inline(self, pairs):
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("RewardScorer(workers=0) relies on signal.alarm: call it from the main thread "
-                               "or use workers >= 1")
-        timeout = max(1, math.ceil(self.cfg.timeout_s))  # math-verify's alarm has whole seconds
-        return [score_one(c, g, self.cfg.require_boxed, timeout, self._inline_gold_cache) for c, g in pairs]
-
-    def _replace(self, index: int) -> None:
-        self._workers[index].kill()
-        self._workers[index] = _Worker(self.cfg.require_boxed)
-
-    def _score_pool(self, pairs):
-        """Hand pairs to workers, at most PIPELINE_DEPTH queued each so none idles between
-        tasks; the head of a worker's queue has the deadline. A worker past it is replaced: its
-        head scores 0 ("timeout"), the tasks queued behind it go back to the pending queue."""
-        results: list = [None] * len(pairs)
-        pending = collections.deque(range(len(pairs)))
-        n_done = 0
-
-        def retire(i: int, head_status: str) -> None:
-            nonlocal n_done
-            worker = self._workers[i]
-            if worker.queue:
-                results[worker.queue.popleft()] = (0.0, 0.0, head_status, None)
-                n_done += 1
-                pending.extendleft(reversed(worker.queue))
-            self._replace(i)
-
-        while n_done < len(pairs):
-            now = time.monotonic()
-            for i, worker in enumerate(list(self._workers)):  # top up ready workers' queues
-                while worker.ready and pending and len(worker.queue) < PIPELINE_DEPTH:
-                    key = pending[0]
-                    completion, gold = pairs[key]
-                    # A busy worker reads its socket only between tasks: never queue a message
-                    # that might not fit in the socket buffer behind a task that may hang.
-                    if worker.queue and len(completion) + len(gold) > PIPELINE_MAX_CHARS:
-                        break
-                    try:
-                        worker.conn.send((key, completion, gold))
-                    except OSError:  # it died: replace it; the task stays pending
-                        retire(i, f"worker died (exit code {worker.process.poll()})")
-                        break
-                    pending.popleft()
-                    if not worker.queue:
-                        worker.deadline = now + self.cfg.timeout_s
-                    worker.queue.append(key)
-            waits = [w.deadline if w.ready else w.started_at + self.cfg.start_timeout_s for w in self._workers]
-            wait_s = max(0.0, min(waits) - now)
-            ready_conns = multiprocessing.connection.wait([w.conn for w in self._workers], timeout=wait_s)
-            for i, worker in enumerate(list(self._workers)):
-                if worker.conn not in ready_conns:
-                    continue
-                try:
-                    message = worker.conn.recv()
-                except (EOFError, OSError):  # the worker died (crash, OOM kill)
-                    if not worker.ready:
-                        worker.kill()
-                        raise RuntimeError(f"reward worker exited during start-up "
-                                           f"(exit code {worker.process.returncode})") from None
-                    retire(i, f"worker died (exit code {worker.process.poll()})")
-                    continue
-                if message == "ready":
-                    worker.ready = True
-                    continue
-                key, *result = message
-                results[key] = tuple(result)
-                n_done += 1
-                worker.queue.popleft()  # results come back in the order tasks were sent
-                # The worker moved on to the next queued task as it sent this result.
-                worker.deadline = time.monotonic() + self.cfg.timeout_s if worker.queue else math.inf
-            now = time.monotonic()
-            for i, worker in enumerate(list(self._workers)):
-                if worker.ready and worker.queue and now >= worker.deadline:
-                    retire(i, "timeout")
-                elif not worker.ready and now >= worker.started_at + self.cfg.start_timeout_s:
-                    raise RuntimeError(f"reward worker not ready after {self.cfg.start_timeout_s} s")
-        return results
+@register_term("overlong", range=(-1.0, 0.0), paper="2503.14476 (DAPO, soft overlong punishment)",
+               knobs=(Knob("overlong_buffer", None, Optional[int], "overlong: L_cache, the tokens before the budget "
+                           "where the penalty ramps from 0 to -1; null: a fifth of the budget (DAPO's 4096 of 20480)",
+                           _check_buffer),),
+               equation="0 if |y| <= L_max - L_cache; ((L_max - L_cache) - |y|) / L_cache up to L_max; -1 past it "
+                        "(L_max: the completion's budget)")
+def overlong(c: Completion, cfg) -> float:
+    if c.num_tokens is None or c.max_tokens is None:
+        raise ValueError("overlong: the completion's num_tokens and max_tokens are needed")
+    cache = cfg.overlong_buffer if cfg.overlong_buffer is not None else max(c.max_tokens // 5, 1)
+    start = c.max_tokens - cache
+    if c.num_tokens <= start:
+        return 0.0
+    if c.num_tokens <= c.max_tokens:
+        return (start - c.num_tokens) / cache
+    return -1.0

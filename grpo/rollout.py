@@ -11,14 +11,15 @@ the uninterrupted run sampled.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
-import torch
-
-from grpo.objective import group_advantages
+from grpo import metrics
+from grpo.advantages import batch_advantages
 from grpo.data import build_prompt, encode_prompt
+from grpo.rewards import Completion
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Sample:
 @dataclass
 class Rollout:
     samples: list[Sample]  # the global batch: B prompts x G completions, a group's samples adjacent
-    stats: dict[str, float]  # rewards, advantages (group_advantages' stats), lengths, seconds
+    stats: dict[str, float]  # rewards, advantages (batch_advantages' stats), batch metrics, seconds: all logged
     table: list[dict] = field(default_factory=list)  # a few (prompt, completion, reward, gold) rows to log
 
     def to_json(self) -> dict:
@@ -80,22 +81,22 @@ def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected
         raise RuntimeError(f"the server sampled with weights version {result.weights_version}, the trainer "
                            f"pushed version {expected_version} as alpha")
     completions = [c for per_prompt in result.completions for c in per_prompt]
-    golds = [p.answer for p in problems for _ in range(G)]
+    scored = [Completion(text=c.text, num_tokens=len(c.token_ids), truncated=c.finish_reason == "length",
+                         gold=problems[j // G].answer, problem=problems[j // G], max_tokens=cfg.grpo.max_new_tokens)
+              for j, c in enumerate(completions)]
     t0 = time.time()
-    rewards, reward_info = scorer.score([c.text for c in completions], golds)
+    rewards, reward_info = scorer.score(scored)
     t_reward = time.time() - t0
-    correct = reward_info.get("correct", rewards)
-    adv, seq_weight, adv_stats = group_advantages(torch.tensor(rewards, dtype=torch.float64), G, cfg.objective,
-                                                    generator=torch.Generator().manual_seed(seed))
+    adv, seq_weight, adv_stats = batch_advantages(rewards, cfg, seed)
     samples = [
         Sample(group=j // G, prompt_ids=prompt_ids[j // G], completion_ids=list(c.token_ids),
-               logp_alpha=[float(x) for x in c.logprobs], truncated=c.finish_reason == "length",
-               reward=float(rewards[j]), correct=float(correct[j]), adv=float(adv[j]), seq_weight=float(seq_weight[j]),
+               logp_alpha=[float(x) for x in c.logprobs], truncated=s.truncated, reward=float(rewards[j]),
+               correct=float(reward_info["correct"][j]), adv=adv[j], seq_weight=seq_weight[j],
                weights_version=result.weights_version)
-        for j, c in enumerate(completions)
+        for j, (c, s) in enumerate(zip(completions, scored))
     ]
-    stats = {**adv_stats, **batch_stats(samples, G), "reward_timeouts": float(reward_info.get("timeouts", 0)),
-             "time_generate": t_generate, "time_reward": t_reward,
+    stats = {**adv_stats, **batch_stats(samples), **reward_info["term_means"],
+             "reward_timeouts": float(reward_info["timeouts"]), "time_generate": t_generate, "time_reward": t_reward,
              "engine": {key: float(value) for key, value in result.engine.items()}}
     table = [{"prompt": problems[s.group].prompt, "completion": c.text, "reward": s.reward,
               "gold": problems[s.group].answer}
@@ -103,15 +104,66 @@ def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected
     return Rollout(samples, stats, table)
 
 
-def batch_stats(samples: list[Sample], G: int) -> dict[str, float]:
-    """What a batch's samples say of it: pass rate, lengths, truncation, token counts (the prompt
-    counted once per completion, as the trainer runs it)."""
-    lengths = [len(s.completion_ids) for s in samples]
-    return {"pass_rate": sum(s.correct for s in samples) / len(samples),
-            "completion_len_mean": sum(lengths) / len(lengths),
-            "truncated_frac": sum(s.truncated for s in samples) / len(samples),
-            "prompt_tokens": float(sum(len(s.prompt_ids) for s in samples[::G]) * G),
-            "completion_tokens": float(sum(lengths))}
+SAMPLING = metrics.declare_many("rollout", {
+    "reward_timeouts": "completions whose scoring timed out (scored their term's minimum; the worker is replaced)",
+})
+TIMES = metrics.declare_many("time", {
+    "time_generate": "seconds sampling the batch on the server",
+    "time_reward": "seconds scoring it",
+    "time_wait_generate": "seconds the trainer still waited for the batch (with sample-ahead, what the overlap did "
+                          "not hide)",
+})
+
+# ---------------------------------------------------------------------------------------------
+# Batch metrics: what a batch's samples say of it, each a registered function
+
+BATCH_METRICS: list[tuple[tuple[str, ...], Callable]] = []
+
+
+def batch_metric(section: str, **meanings: str):
+    """Decorator: register fn(samples: list[Sample]) -> {name: value} as metrics of every batch,
+    sampled or replayed, declared here (name=one line of meaning, in `section`) and logged in each
+    training row as named. A value of an empty set is NaN (missing from the row)."""
+
+    def register(fn):
+        names = metrics.declare_many(section, meanings, module=fn.__module__)
+        BATCH_METRICS.append((names, fn))
+        return fn
+    return register
+
+
+def batch_stats(samples: list[Sample]) -> dict[str, float]:
+    """Every registered batch metric of these samples."""
+    out: dict[str, float] = {}
+    for names, fn in BATCH_METRICS:
+        values = fn(samples)
+        if set(values) != set(names):
+            raise ValueError(f"batch metric {fn.__module__}.{fn.__name__}: returned {sorted(values)}, declared "
+                             f"{sorted(names)}")
+        out.update({name: float(values[name]) for name in names})
+    return out
+
+
+def mean(values) -> float:
+    """The mean of a list; NaN (missing) for an empty one."""
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
+
+
+@batch_metric("rollout", pass_rate="fraction of completions whose answer is correct (the `correct` term's "
+                                   "math-verify check, whatever the reward's weights)",
+              completion_len_mean="completion length in tokens", truncated_frac="fraction cut at `grpo.max_new_tokens`")
+def lengths_and_pass_rate(samples: list[Sample]) -> dict[str, float]:
+    return {"pass_rate": mean(s.correct for s in samples),
+            "completion_len_mean": mean(len(s.completion_ids) for s in samples),
+            "truncated_frac": mean(s.truncated for s in samples)}
+
+
+@batch_metric("time", prompt_tokens="the batch's prompt tokens, counted once per completion (as the trainer runs it)",
+              completion_tokens="the batch's completion tokens")
+def token_counts(samples: list[Sample]) -> dict[str, float]:
+    return {"prompt_tokens": float(sum(len(s.prompt_ids) for s in samples)),
+            "completion_tokens": float(sum(len(s.completion_ids) for s in samples))}
 
 
 def shard_samples(samples: list[Sample], rank: int, world_size: int) -> list[Sample]:

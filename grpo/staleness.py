@@ -18,8 +18,8 @@ Per active token (weights != 0, as every statistic of the objective):
 On policy (the batch's first optimizer step is the step of its push: v = 1, or the first batch of
 a v-window, no sample-ahead lag) pi_push is pi_k itself: the trainer passes the same log-probs, so
 both staleness terms are exactly 0 and the mismatch terms equal tv_pik_alpha and kl_pik_alpha.
-Otherwise the trainer scores the batch with a frozen copy of the weights it pushed (`push_policy`
-in train.py; log.split_staleness). The triangle inequality bounds the total, token by token:
+Otherwise the trainer scores the batch with a frozen copy of the weights it pushed
+(grpo/instruments.py; log.split_staleness). The triangle inequality bounds the total, token by token:
 tv_pik_alpha <= tv_mismatch + tv_staleness. The KL parts are not additive. With top-p < 1 every
 estimate here, like tv_pik_alpha, covers alpha's nucleus only (alpha never samples outside it).
 """
@@ -30,7 +30,15 @@ import math
 import torch
 from torch import Tensor
 
-SPLIT_KEYS = ("tv_mismatch", "kl_mismatch", "tv_staleness", "kl_staleness")
+from grpo import metrics
+
+SPLIT_KEYS = metrics.declare_many("bound", {
+    "tv_mismatch": "the part of alpha vs pi_k that is engine mismatch: `tv_pik_alpha` with pi_push (the trainer's "
+                   "policy at the push that sampled the batch) in pi_k's place ([offpolicy.md](offpolicy.md))",
+    "kl_mismatch": "the same for `kl_pik_alpha`: KL(alpha || pi_push), k3",
+    "tv_staleness": "the part that is staleness: TV(pi_k, pi_push) on alpha's tokens; exactly 0 on policy",
+    "kl_staleness": "KL(pi_push || pi_k) on alpha's tokens, importance-weighted; exactly 0 on policy",
+})
 
 
 def split_sums(logp_alpha: Tensor, logp_push: Tensor, logp_k: Tensor, active: Tensor) -> dict[str, Tensor]:

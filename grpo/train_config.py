@@ -90,6 +90,9 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
+    # the user's own modules (a .py path or a dotted name), imported before the rest of the config is
+    # read: losses, advantages, reward terms and metrics registered there, with their knobs (docs/extending.md)
+    plugins: list[str] = field(default_factory=list)
     seed: int = 0  # seeds data order, sampling engine and torch
     model: ModelConfig = field(default_factory=ModelConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)

@@ -21,14 +21,14 @@ function overrides it):
 The loss is the exception: torch is its definition (grpo/losses.py), and the Triton loss kernel
 runs only for the losses and IS-weight corrections it has a code for (kernels/loss.py LOSS_CODES,
 CORRECTION_CODES, per-token ones only); for any other the objective's torch definition runs, on
-CUDA too (grpo.objective.objective_fn_for warns once), and a loss that needs whole sequences
+CUDA too (grpo.kernel_dispatch.objective_fn_for warns once), and a loss that needs whole sequences
 (GSPO) goes through lm_head_logprobs and autograd instead of lm_head_objective.
 
 kernels/ imports nothing from grpo/. The objective's maths lives in grpo/losses.py and
 grpo/objective.py (the source of truth); kernels/loss.py is the fused Triton version of its
 per-token losses, kernels/contract.py what the two share (input checks, statistic names). Where a
 torch objective is wanted (lm_head_objective on CPU, or a loss without a kernel), the caller
-passes it as `objective_fn` (grpo.objective.objective_fn_for picks). Every op is in its own module:
+passes it as `objective_fn` (grpo.kernel_dispatch.objective_fn_for picks). Every op is in its own module:
 kernels/logprobs.py, kernels/lm_head.py, kernels/loss.py, each with its Triton kernels, its torch
 implementation and its autograd.Function; kernels/aot.py compiles every Triton variant for sm_90
 without a GPU (python -m kernels.aot).
@@ -221,7 +221,7 @@ def lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv
     aligned with the rows of hidden; targets < 0 are ignored rows (give them weight 0 too).
     objective_fn(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, block) -> (loss, stats
     vector, grad_logp): kernels.triton_objective or the caller's torch reference
-    (grpo.objective.objective_with_grad). Returns (loss, stats keyed by STAT_KEYS, logp [N] detached,
+    (grpo.kernel_dispatch.objective_with_grad). Returns (loss, stats keyed by STAT_KEYS, logp [N] detached,
     entropy [N] detached or None): with_entropy adds each row's entropy of softmax(z / T), from the
     same logits (not differentiated: the loss has no entropy term). Use it when the loss is exactly
     the objective of logp (nothing else differentiates logp)."""

@@ -7,7 +7,7 @@ an optional speed-up for the losses whose gradient at a token depends on that to
 against those definitions by tests/test_kernels_loss.py (generated from the registry). Which losses
 and IS-weight corrections it has is the plain mapping LOSS_CODES / CORRECTION_CODES below; grpo's
 registry checks them at import, and a loss without a code runs its torch definition on CUDA too
-(grpo.objective.objective_fn_for). Every per-token option is a constexpr branch:
+(grpo.kernel_dispatch.objective_fn_for). Every per-token option is a constexpr branch:
     LOSS          a LOSS_CODES value
     EXACT_ANCHOR  ratio anchor of grpo / cispo: exact r = pi/alpha, r' = pi_k/alpha (eq. 6) or approx r = pi/pi_k, r' = 1
     CORRECTION    the IS weight w = pi_k/alpha as the loss sees it: 0 w, 1 min(w, is_cap) (TIS),
@@ -19,7 +19,7 @@ kernel's gradient equals autograd's through the reference, ties included.
 Statistics: one partial vector per program, [programs, N_STATS], in kernels.contract's STAT_KEYS
 order (each slot a constexpr derived from the key list), reduced by torch per each key's reduction
 kind: deterministic, no atomics. The partials start as torch.empty, so a slot the kernel forgets is
-garbage: check_stat_slots (run at start-up by grpo.objective.check_objective_path, and by the
+garbage: check_stat_slots (run at start-up by grpo.kernel_dispatch.check_objective_path, and by the
 tests for every LOSS code) launches the kernel on NaN-filled partials and names any slot left NaN.
 
 This module imports nothing from grpo/: the torch reference (grpo.objective.objective) is the
@@ -258,7 +258,7 @@ def kernel_constexprs(cfg, has_ref: bool) -> dict:
     """The constexpr variant of loss_and_grad_kernel that an ObjectiveConfig selects."""
     why = missing_kernel(cfg)
     if why is not None:
-        raise ValueError(f"{why}; grpo.objective.objective_fn_for(device, kernel_config, cfg) runs its torch "
+        raise ValueError(f"{why}; grpo.kernel_dispatch.objective_fn_for(device, kernel_config, cfg) runs its torch "
                          "definition instead")
     return dict(
         LOSS=LOSS_CODES[cfg.loss],

@@ -1,7 +1,7 @@
 """Several objectives on the same recorded batches, from the same parameters: how their updates differ.
 
     python scripts/compare_objectives.py --run runs/<recorded> --config configs/cpu_demo.yaml \
-        --objective grpo --objective "cispo: objective.loss=cispo objective.adv_scale=none" \
+        --objective grpo --objective "cispo: objective.loss=cispo objective.advantage=none" \
         --objective "gspo: objective.loss=gspo" --out runs/<recorded>/compare
 
 A recorded run (log.save_rollouts: true) holds every batch as trained on, with alpha's log-probs.

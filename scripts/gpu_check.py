@@ -164,7 +164,7 @@ def step_parity(args) -> dict:
     import torch
 
     import kernels
-    from grpo import objective
+    from grpo import kernel_dispatch, objective
 
     s, device, out, worst = _sizes(args.smoke), _device(args.smoke), {}, 0.0
     triton_cfg, torch_cfg = kernels.KernelConfig(backend="triton"), kernels.KernelConfig(backend="torch")
@@ -193,7 +193,7 @@ def step_parity(args) -> dict:
                     loss, _, lp3, _ = kernels.lm_head_objective(
                         h2, w2, targets, logp.detach() - 0.05, logp.detach() + 0.01, logp.detach() - 0.02,
                         upstream, torch.full_like(upstream, 1.0 / n), ocfg,
-                        objective_fn=objective.objective_fn_for(device, cfg), temperature=T, config=cfg)
+                        objective_fn=kernel_dispatch.objective_fn_for(device, cfg), temperature=T, config=cfg)
                     loss.backward()
                     res[label] = (logp, ent, h.grad.float(), w.grad.float(), lp2, ratio, ent2, logits.grad,
                                   loss, lp3, h2.grad.float(), w2.grad.float())

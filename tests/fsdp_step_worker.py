@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 import train  # noqa: E402
 from grpo import objective as O  # noqa: E402
+from grpo.advantages import group_advantages  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
 from grpo.parallel import close_distributed, gather_full_state_dict, init_distributed  # noqa: E402
@@ -40,7 +41,7 @@ def fixed_batch(vocab: int, prompts: int, G: int, skewed: bool = False, masked: 
     for j in range(prompts * G):
         if masked == "allmasked" or (masked == "masked" and (j // G) % 2 == 0):
             rewards[j] = float((j // G) % 3 == 0)  # one value per group
-    adv, seq_w, _ = O.group_advantages(torch.tensor(rewards, dtype=torch.float64), G, objective)
+    adv, seq_w, _ = group_advantages(torch.tensor(rewards, dtype=torch.float64), G, objective)
     samples = []
     for j in range(prompts * G):
         long = skewed and j < prompts * G // 2

@@ -14,6 +14,7 @@ import torch  # noqa: E402
 import train  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 from grpo.parallel import close_distributed, init_distributed  # noqa: E402
+from grpo.policy import copy_policy  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
 
 cfg = load_config(TrainConfig, None, [f"model.path={sys.argv[1]}", "model.dtype=bfloat16", "objective.beta=0.1"])
@@ -27,7 +28,7 @@ with torch.no_grad():
     for p in policy.parameters():
         p.add_(0.01)  # pi_theta moves away from pi_ref
     before = (policy(ids, index, targets)[0] - ref(ids, index, targets)[0]).abs().max().item()
-    train.copy_policy(ref, policy)
+    copy_policy(ref, policy)
     after = (policy(ids, index, targets)[0] - ref(ids, index, targets)[0]).abs().max().item()
 if info.rank == 0:
     print(json.dumps({"before": before, "after": after}))

@@ -34,7 +34,7 @@ def recorded(tmp_path):
 def test_the_objectives_updates_on_the_same_batches(recorded, capsys):
     out = recorded / "cmp"
     code = compare_objectives.main(["--run", str(recorded), "--out", str(out), "--objective", "grpo",
-                                    "--objective", "cispo: objective.loss=cispo objective.adv_scale=none",
+                                    "--objective", "cispo: objective.loss=cispo objective.advantage=none",
                                     "--objective", "reinforce: objective.loss=reinforce"])
     assert code == 0
     rows = [json.loads(line) for line in (out / "compare.jsonl").read_text().splitlines()]

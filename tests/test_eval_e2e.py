@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from grpo.serving.inference import InferenceServer, ServerConfig
 from grpo.data import DataConfig, build_prompt, encode_prompt, load_problems
 from grpo.evaluation import EvalConfig, evaluate, score_completions, summarize
 from grpo.models import load_tokenizer
-from tiny_models import make_tiny_model_dir
 from grpo.rewards import RewardConfig, RewardScorer
+from grpo.serving.inference import InferenceServer, ServerConfig
 from test_rewards import extract_answer
+from tiny_models import make_tiny_model_dir
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from grpo.checkpoint import verify_checkpoint
 from grpo.fsutil import NoSpaceError

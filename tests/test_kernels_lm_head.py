@@ -86,7 +86,8 @@ def test_lm_head_bad_inputs():
 def test_lm_head_objective_matches_logprobs_then_objective(backend, loss_name):
     # Gradients computed during the forward (no recompute) equal autograd through the naive head
     # followed by grpo.objective.objective; the loss is scaled by 3 to check the backward's rescale.
-    from grpo.objective import ObjectiveConfig, objective, objective_fn_for
+    from grpo.kernel_dispatch import objective_fn_for
+    from grpo.objective import ObjectiveConfig, objective
 
     torch.manual_seed(5)
     n_tokens, hidden_size, vocab = 40, 16, 200
@@ -124,7 +125,8 @@ def test_lm_head_objective_matches_logprobs_then_objective(backend, loss_name):
 
 
 def test_lm_head_objective_backward_twice_is_refused():
-    from grpo.objective import ObjectiveConfig, objective_with_grad
+    from grpo.kernel_dispatch import objective_with_grad
+    from grpo.objective import ObjectiveConfig
 
     hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
     targets, zeros, ones = torch.randint(0, 30, (6,)), torch.zeros(6), torch.ones(6)

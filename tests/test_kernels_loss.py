@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import kernels
+from grpo.kernel_dispatch import check_objective_path, objective_fn_for, objective_with_grad
 from grpo.losses import LOSSES
-from grpo.objective import (ObjectiveConfig, check_objective_path, finalize_stats, objective, objective_fn_for,
-                            objective_with_grad)
+from grpo.objective import ObjectiveConfig, finalize_stats, objective
 from hand_computed import (ADV_SIGN_ADV, ADV_SIGN_CONFIGS, ADV_SIGN_EXPECTED, ADV_SIGN_INDICATORS, ADV_SIGN_RATIO,
                            ADV_SIGN_WEIGHTS)
 from kernels import KernelConfig

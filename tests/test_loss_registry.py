@@ -10,12 +10,15 @@ import pytest
 import torch
 
 import kernels
-from grpo import losses
-from grpo.config import read_yaml
+from grpo import losses, registry
+from grpo.advantages import group_advantages
+from grpo.config import ConfigError, load_config, read_yaml, to_dict
+from grpo.kernel_dispatch import (_check_kernel_codes, check_objective_path, objective_fn_for, objective_of_hidden,
+                                  objective_path, objective_with_grad)
 from grpo.losses import CORRECTIONS, LOSSES, Knob, LossInputs, PolicyTerms, register_loss
-from grpo.objective import (ObjectiveConfig, _check_kernel_codes, check_objective_path, finalize_stats,
-                            group_advantages, local_denominators, objective, objective_fn_for, objective_of_hidden,
-                            objective_path, objective_with_grad, token_weights)
+from grpo.objective import ObjectiveConfig, finalize_stats, local_denominators, objective, token_weights
+from grpo.registry import non_negative
+from grpo.train_config import TrainConfig
 from kernels import KernelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +54,7 @@ def toy_losses():
 
 
 def test_a_loss_registered_in_a_test_trains_through_the_public_api(toy_losses):
-    cfg = ObjectiveConfig(loss="toy_sign", adv_scale="none", aggregation="token_mean")
+    cfg = ObjectiveConfig(loss="toy_sign", advantage="none", aggregation="token_mean")
     adv, seq_weight, _ = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=D), 4, cfg)  # 3/4, -1/4 x 3
     mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]], dtype=torch.bool)
     num_seqs, num_tokens = local_denominators(mask, seq_weight, cfg)
@@ -130,13 +133,24 @@ def test_config_names_and_knobs_come_from_the_registry():
         ObjectiveConfig(loss="cispo", eps_high_is=-1.0)
 
 
-def test_registration_refuses_duplicates_and_late_knobs():
+def test_registration_refuses_duplicates_and_takes_knobs_after_the_config_was_built():
     with pytest.raises(ValueError, match="'grpo' is already registered"):
         register_loss("grpo", equation="", paper="")(lambda x, cfg: None)
-    with pytest.raises(ValueError, match=r"knobs \['toy_knob'\]: ObjectiveConfig is already built"):
-        register_loss("toy_knobbed", equation="", paper="", knobs=(Knob("toy_knob", 1.0, float, "a knob"),))(
-            lambda x, cfg: None)
-    assert "toy_knobbed" not in LOSSES
+    built_before = ObjectiveConfig()
+    register_loss("toy_knobbed", equation="", paper="", knobs=(Knob("toy_knob", 1.0, float, "a knob", non_negative),))(
+        lambda x, cfg: None)
+    try:
+        cfg = load_config(TrainConfig, overrides=["objective.loss=toy_knobbed", "objective.toy_knob=2"])
+        assert cfg.objective.toy_knob == 2.0 and to_dict(cfg)["objective"]["toy_knob"] == 2.0
+        assert ObjectiveConfig().toy_knob == 1.0 and built_before.toy_knob == 1.0  # the default, before and after
+        with pytest.raises(ConfigError, match=r"objective\.toy_knob: must be >= 0, got -1.0"):
+            load_config(TrainConfig, overrides=["objective.toy_knob=-1"])
+    finally:
+        del LOSSES["toy_knobbed"]
+        registry.prune_knobs()
+    assert "toy_knob" not in ObjectiveConfig.__dataclass_fields__
+    with pytest.raises(ConfigError, match="unknown key objective.toy_knob"):
+        load_config(TrainConfig, overrides=["objective.toy_knob=2"])
 
 
 def test_kernel_codes_must_name_registered_per_token_losses(monkeypatch):

@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from grpo.objective import (ObjectiveConfig, check_objective_path, finalize_stats, group_advantages,
-                            local_denominators, merge_stats, needs_sequences, objective, objective_fn_for,
-                            objective_of_hidden, objective_path, token_weights)
-from kernels import KernelConfig
-
+from grpo.advantages import group_advantages
+from grpo.kernel_dispatch import check_objective_path, objective_fn_for, objective_of_hidden, objective_path
+from grpo.losses import needs_sequences
+from grpo.objective import ObjectiveConfig, finalize_stats, local_denominators, merge_stats, objective, token_weights
 from hand_computed import D, L, close, t  # noqa: F401
+from kernels import KernelConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter on padding lanes
 
@@ -133,7 +133,7 @@ def test_gspo_token_equals_gspo_with_one_advantage_per_sequence(aggregation):
 def test_gspo_masked_groups_truncated_sequences_and_padding_garbage():
     # Rewards: group 0 (seqs 0, 1) all equal -> eq. 8 masks it; group 1 (seqs 2, 3) mixed.
     # Sequence 3 is truncated and mask_truncated drops it. Padding holds garbage.
-    cfg = gspo_cfg(mask_zero_variance=True, mask_truncated=True, adv_scale="none")
+    cfg = gspo_cfg(mask_zero_variance=True, mask_truncated=True, advantage="none")
     adv, seq_weight, _ = group_advantages(t([1, 1, 1, 0]), 2, cfg)
     close(adv, [0.0, 0.0, 0.5, -0.5])
     truncated = torch.tensor([False, False, False, True])
@@ -234,3 +234,47 @@ def test_objective_of_hidden_is_the_head_then_objective(backend, loss):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
     if loss == "gspo":
         assert float(stats["num_seqs"]) == n_seqs
+
+
+# ---------------------------------------------------------------------------------------------- conventions
+# Two cases where GSPO's length-normalised ratio meets a correction (docs/objectives.md).
+
+W_BAR_VARIES = t([[L(2.0), L(0.5), 0.0], [L(1.5), L(1.2), L(0.9)], [L(0.8), L(3.0), 0.0], [L(1.1), L(1.0), 0.0]])
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean", "token_mean"])
+@pytest.mark.parametrize("anchor,correction,equal", [
+    ("approx", {}, True), ("approx", dict(is_correction="geometric_truncate", is_cap=1.2), True),
+    ("approx", dict(is_correction="sequence_truncate", is_cap=1.2), True),
+    ("exact", dict(is_correction="token_truncate", is_cap=1.2), True),
+    ("approx", dict(is_correction="token_truncate", is_cap=1.2), False),
+    ("approx", dict(is_correction="icepop", is_floor=0.6, is_cap=1.6), False)])
+def test_gspo_token_equals_gspo_exactly_when_the_correction_is_constant_within_a_sequence(
+        aggregation, anchor, correction, equal):
+    """pi_k / alpha differs token by token (W_BAR_VARIES): a token-level correction under approx
+    gives each token its own outer weight w_bar_t, which GSPO-token keeps and GSPO averages."""
+    cfg = dict(aggregation=aggregation, ratio_anchor=anchor, **correction)
+    w = seq_mean_weights(gspo_cfg(**cfg))
+    logp = LOGP_K + RATIOS.log()
+    logp_alpha = LOGP_K - W_BAR_VARIES
+    a = run(gspo_cfg(**cfg), logp, logp_alpha, LOGP_K, ADV, w)
+    b = run(gspo_cfg("gspo_token", **cfg), logp, logp_alpha, LOGP_K, ADV, w)
+    close(a[0], b[0])  # the same value either way: each token carries its sequence's ratio
+    assert torch.allclose(a[2], b[2], rtol=1e-12, atol=1e-12) == equal
+
+
+@pytest.mark.parametrize("loss", ["gspo", "gspo_token"])
+def test_gspo_refuses_a_sequence_level_correction_under_the_exact_anchor(loss):
+    for name in ("sequence_truncate", "sequence_mask"):
+        with pytest.raises(ValueError, match=rf"^is_correction: {name} under ratio_anchor exact .* use "
+                                             rf"{name.replace('sequence_', 'geometric_')}"):
+            gspo_cfg(loss, ratio_anchor="exact", is_correction=name, is_cap=2.0)
+        gspo_cfg(loss, ratio_anchor="approx", is_correction=name, is_cap=2.0)  # a sequence IS weight: fine
+    # the geometric level is consistent: a cap that never binds leaves the exact loss as uncorrected
+    w = seq_mean_weights(gspo_cfg(loss))
+    logp, logp_alpha = LOGP_K + RATIOS.log(), LOGP_K - W_BAR_VARIES
+    plain = run(gspo_cfg(loss, ratio_anchor="exact"), logp, logp_alpha, LOGP_K, ADV, w)
+    capped = run(gspo_cfg(loss, ratio_anchor="exact", is_correction="geometric_truncate", is_cap=100.0),
+                 logp, logp_alpha, LOGP_K, ADV, w)
+    close(plain[0], capped[0])
+    close(plain[2], capped[2])

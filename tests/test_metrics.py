@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from grpo.metrics import KEY_GROUPS, LogConfig, MetricsLogger, group_key, redact_secrets
+from grpo import metrics, registry
+from grpo.metrics import LogConfig, MetricsLogger, group_key, redact_secrets
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def read_wandb_records(path: Path):
@@ -89,6 +92,7 @@ def test_log_config_validation():
 
 
 def test_key_groups():
+    metrics.load_declarations()  # the run's modules, as train.py imports them
     expected = {
         "reward_mean": "rollout/reward_mean", "reward_std": "rollout/reward_std", "pass_rate": "rollout/pass_rate",
         "masked_frac": "rollout/masked_frac", "completion_len_mean": "rollout/completion_len_mean",
@@ -96,11 +100,30 @@ def test_key_groups():
         "clip_low_frac": "train/clip_low_frac", "kl": "train/kl", "entropy": "train/entropy",
         "is_weight_mean": "train/is_weight_mean", "grad_norm": "train/grad_norm", "lr": "train/lr",
         "time_generate": "time/time_generate", "tokens_per_s": "time/tokens_per_s", "tv_pik_alpha": "bound/tv_pik_alpha",
-        "kl_pik_alpha": "bound/kl_pik_alpha", "M_max": "bound/M_max", "eval/pass@1": "eval/pass@1",
+        "kl_pik_alpha": "bound/kl_pik_alpha", "server_threads": "time/server_threads", "eval/pass@1": "eval/pass@1",
+        "tv_staleness": "bound/tv_staleness", "parity_kl": "bound/parity_kl", "reward_term_correct": "rollout/reward_term_correct",
         "step": "step", "stage": "stage", "iteration": "iteration", "weights_version": "weights_version",
     }
     assert {k: group_key(k) for k in expected} == expected
-    assert set(KEY_GROUPS.values()) == {"rollout", "train", "time", "bound"}
+    assert group_key("not_declared_anywhere") == "not_declared_anywhere"  # the top level, never dropped
+
+
+def test_docs_tables_are_the_declarations():
+    metrics.load_declarations()
+    block = registry.generated_block(ROOT / "docs" / "metrics.md", metrics.DOCS_BEGIN, metrics.DOCS_END)
+    assert block.strip() == metrics.markdown().strip(), \
+        "docs/metrics.md is stale: python -m grpo.metrics --write docs/metrics.md"
+    assert all(m.section in metrics.SECTIONS for m in metrics.DECLARED.values())
+
+
+def test_a_key_without_a_declaration_is_logged_at_the_top_level_with_one_warning(tmp_path):
+    logger = MetricsLogger(LogConfig(wandb_mode="disabled"), tmp_path, {}, rank=0)
+    with pytest.warns(UserWarning, match="my_new_key is logged but not declared"):
+        logger.log({"step": 1, "my_new_key": 2.0, "reward_mean": 0.5})
+    logger.log({"step": 2, "my_new_key": 3.0})  # once: no second warning (pytest would not fail on it; count below)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["my_new_key"] for r in rows] == [2.0, 3.0]
+    assert metrics.wandb_payload(rows[0])["my_new_key"] == 2.0
 
 
 def test_redact_secrets():

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
-from grpo import metrics
+from grpo import metrics, parity, staleness
+from grpo import objective as objective_module
+from grpo.advantages import group_advantages
 from grpo.batching import collate
-from grpo.objective import finalize_stats, group_advantages, local_denominators, objective, token_weights
+from grpo.objective import finalize_stats, local_denominators, objective, token_weights
 from grpo.progress import Progress
 from grpo.rollout import Rollout, Sample, batch_stats
 from grpo.train_config import TrainConfig
@@ -26,9 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import plot  # noqa: E402
 
-# the statistics an all-masked batch has no value for (TRAIN_KEYS' means over tokens and
+# the statistics an all-masked batch has no value for (the objective's means over tokens and
 # sequences, the bound over nonzero-variance groups, pi_k's entropy per token)
-EMPTY_SET_KEYS = {*metrics.TRAIN_KEYS} - {"loss"} | {"bound_M_nonzero", "entropy"}
+EMPTY_SET_KEYS = {*objective_module.STEP_STATS, *objective_module.DRIFT_STATS} - {"loss", "num_tokens"} \
+    | {"bound_M_nonzero", "entropy"}
 
 
 def config(B: int = 2, G: int = 4, **objective) -> TrainConfig:
@@ -51,7 +54,7 @@ def rollout_of(cfg: TrainConfig, reward=lambda j: 1.0, seed: int = 5, version: i
                       logp_alpha=[-0.1 * (t + 1) - 1e-9 * seed for t in range(j % G + 2)],
                       truncated=j % G == G - 1, reward=rewards[j], correct=rewards[j], adv=float(adv[j]),
                       seq_weight=float(seq_weight[j]), weights_version=version) for j in range(B * G)]
-    stats.update(batch_stats(samples, G), reward_timeouts=0.0, time_generate=0.1, time_reward=0.1,
+    stats.update(batch_stats(samples), reward_timeouts=0.0, time_generate=0.1, time_reward=0.1,
                  time_wait_generate=0.0, engine={})
     return Rollout(samples, stats)
 
@@ -71,11 +74,14 @@ def step_stats(cfg: TrainConfig, rollout) -> tuple[dict, float]:
     return finalize_stats(stats), float((entropy * (weights != 0)).sum())
 
 
-def row_of(cfg: TrainConfig, rollout, progress: Progress = Progress(step=1), sgd_iteration: int = 0) -> dict:
+def row_of(cfg: TrainConfig, rollout, progress: Progress = Progress(step=1), sgd_iteration: int = 0,
+           instruments: dict = None) -> dict:
     train_stats, entropy_sum = step_stats(cfg, rollout)
-    return metrics.train_row(progress, 0, 0, sgd_iteration, rollout.stats, train_stats,
+    return metrics.train_row(progress=progress, stage=0, iteration=0, sgd_iteration=sgd_iteration,
+                             rollout_stats=rollout.stats, train_stats=objective_module.logged_stats(train_stats),
                              sampled_version=rollout.weights_version, entropy=metrics.per_token(entropy_sum, train_stats["num_tokens"]), grad_norm=0.0,
-                             lr=1e-6, time_train=0.1, time_sync=0.0, sync_bytes=0.0, iteration_seconds=0.2)
+                             lr=1e-6, time_train=0.1, time_sync=0.0, sync_bytes=0.0, iteration_seconds=0.2,
+                             shape={"train_tokens": 10.0, "train_padded_tokens": 12.0}, instruments=instruments)
 
 
 def no_nan(row: dict) -> bool:
@@ -95,6 +101,21 @@ def test_an_all_masked_batch_logs_no_nan_and_leaves_empty_set_statistics_out():
     # what exists is there: the batch's rewards, the loss (0, a sum), the step's own numbers
     assert row["reward_mean"] == 1.0 and row["masked_frac"] == 1.0 and row["loss"] == 0.0
     assert {"grad_norm", "lr", "bound_M", "time_train", "weights_version"} <= set(row)
+
+
+def test_every_key_of_a_row_is_declared():
+    """No allow-list: a row holds whatever the components return, and each key has its one
+    declaration (W&B section, meaning, docs/metrics.md) where it is computed."""
+    metrics.load_declarations()
+    cfg = config()
+    rollout = rollout_of(cfg, reward=lambda j: float(j % 2))
+    rollout.stats["engine"] = {"server_threads": 2.0}
+    instruments = {**dict.fromkeys(staleness.SPLIT_KEYS, 0.1), **dict.fromkeys(parity.PARITY_KEYS, 0.1),
+                   "time_parity": 1.0}
+    row = row_of(cfg, rollout, instruments=instruments)
+    assert set(instruments) < set(row) and "server_threads" in row and "num_tokens" in row
+    undeclared = sorted(key for key in row if metrics.declared(key) is None)
+    assert not undeclared, f"declare these where they are computed (grpo.metrics.declare): {undeclared}"
 
 
 def test_a_batch_with_signal_logs_every_statistic():

@@ -2,18 +2,17 @@
 2509.24203). Expected numbers are written as arithmetic in the tests, never produced by the code
 under test. Shapes are tiny: this file runs in about a second on CPU."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from pathlib import Path
-
+from grpo.advantages import ADVANTAGES, group_advantages
 from grpo.config import read_yaml
 from grpo.losses import CORRECTIONS, LOSSES
 from grpo.objective import (
     ObjectiveConfig,
     finalize_stats,
-    group_advantages,
     local_denominators,
     merge_stats,
     objective,
@@ -55,7 +54,8 @@ def test_presets_are_the_named_methods():
     # them; tests/test_loss_registry.py checks each selects its entry).
     papers = {"grpo", "grpo_zero_var_mask", "dr_grpo", "dapo", "reinforce", "rec_oneside_is", "rec_oneside_nois",
               "rec_twoside_is", "rec_ring_nois", "red_drop", "red_weight"}
-    registered = {entry.preset for entry in [*LOSSES.values(), *CORRECTIONS.values()] if entry.preset}
+    registered = {entry.preset for entry in [*LOSSES.values(), *CORRECTIONS.values(), *ADVANTAGES.values()]
+                  if entry.preset}
     assert papers <= {p.stem for p in PRESETS}
     assert {p.stem for p in PRESETS} == papers | registered
     dapo = ObjectiveConfig(**read_yaml(PRESETS[[p.stem for p in PRESETS].index("dapo")])["objective"])
@@ -85,7 +85,7 @@ def test_every_preset_is_reinforce_at_the_on_policy_first_step(path):
 
 def test_eq2_group_std_uses_population_variance_and_eps_under_the_root():
     # group 0: {1,0,0,1}: mean 1/2, var 1/4.  group 1: {0,0,0,1}: mean 1/4, var 1/4*3/4 = 3/16.
-    cfg = ObjectiveConfig(adv_scale="group", adv_eps=1e-4)
+    cfg = ObjectiveConfig(advantage="group", adv_eps=1e-4)
     adv, w, stats = group_advantages(t([1, 0, 0, 1, 0, 0, 0, 1]), 4, cfg)
     s0, s1 = math.sqrt(0.25 + 1e-4), math.sqrt(3 / 16 + 1e-4)
     close(adv, [0.5 / s0, -0.5 / s0, -0.5 / s0, 0.5 / s0, -0.25 / s1, -0.25 / s1, -0.25 / s1, 0.75 / s1])
@@ -104,10 +104,10 @@ def test_eq2_population_not_sample_variance_for_g2():
 def test_eq2_batch_std_and_no_scaling():
     rewards = t([1, 0, 0, 1, 0, 0, 0, 1])
     # batch: group means, batch std: rewards have mean 3/8, population var 3/8 * 5/8 = 15/64
-    adv, _, _ = group_advantages(rewards, 4, ObjectiveConfig(adv_scale="batch", adv_eps=1e-4))
+    adv, _, _ = group_advantages(rewards, 4, ObjectiveConfig(advantage="batch", adv_eps=1e-4))
     sb = math.sqrt(15 / 64 + 1e-4)
     close(adv, [0.5 / sb, -0.5 / sb, -0.5 / sb, 0.5 / sb, -0.25 / sb, -0.25 / sb, -0.25 / sb, 0.75 / sb])
-    adv, _, _ = group_advantages(rewards, 4, ObjectiveConfig(adv_scale="none"))
+    adv, _, _ = group_advantages(rewards, 4, ObjectiveConfig(advantage="none"))
     close(adv, [0.5, -0.5, -0.5, 0.5, -0.25, -0.25, -0.25, 0.75])
 
 
@@ -180,7 +180,7 @@ def test_bound_M_from_group_reward_variances():
 # ---------------------------------------------------------------------------------------------- RED
 
 def test_red_weight_is_exp_of_advantage_over_tau():
-    cfg = ObjectiveConfig(red="weight", red_tau=0.5, adv_scale="none")
+    cfg = ObjectiveConfig(red="weight", red_tau=0.5, advantage="none")
     adv, w, _ = group_advantages(t([1, 0, 0, 0]), 4, cfg)
     close(adv, [0.75, -0.25, -0.25, -0.25])
     close(w, [math.exp(1.5), math.exp(-0.5), math.exp(-0.5), math.exp(-0.5)])
@@ -189,7 +189,7 @@ def test_red_weight_is_exp_of_advantage_over_tau():
 def test_red_drop_balances_negatives_and_recentres_on_kept():
     # group 0 {1,0,0,0}: 1 positive, 3 negatives -> 2 negatives dropped; kept {1, 0}: mean 1/2.
     # group 1 {1,1,0,1}: mean 3/4, 3 positives, 1 negative -> nothing dropped.
-    cfg = ObjectiveConfig(red="drop", adv_scale="none")
+    cfg = ObjectiveConfig(red="drop", advantage="none")
     dropped_sets = set()
     for seed in range(8):
         adv, w, stats = group_advantages(t([1, 0, 0, 0, 1, 1, 0, 1]), 4, cfg,
@@ -206,7 +206,7 @@ def test_red_drop_balances_negatives_and_recentres_on_kept():
 
 
 def test_red_drop_with_group_std_uses_kept_statistics():
-    cfg = ObjectiveConfig(red="drop", adv_scale="group", adv_eps=1e-4)
+    cfg = ObjectiveConfig(red="drop", advantage="group", adv_eps=1e-4)
     adv, w, _ = group_advantages(t([1, 0, 0, 0]), 4, cfg, generator=torch.Generator().manual_seed(0))
     kept = torch.nonzero(w).flatten().tolist()
     s = math.sqrt(0.25 + 1e-4)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo.config import ConfigError, load_config
-from grpo.metrics import ROLLOUT_KEYS, TRAIN_KEYS, train_row
+from grpo.metrics import train_row
 from grpo.parity import ParityConfig, ParityProbe, ProbeSequence, parity_stats, trainer_logprobs, warn_if_apart
 from grpo.progress import Progress
 from grpo.rollout import Sample
@@ -173,8 +173,8 @@ def test_the_split_adds_over_micro_batches_and_an_empty_one_is_missing():
         assert float(parts[key]) == pytest.approx(float(whole[key]), rel=1e-12)
     empty = split_means({k: float(v) for k, v in split_sums(a, p, k, torch.zeros(12, dtype=torch.bool)).items()})
     assert all(math.isnan(empty[key]) for key in SPLIT_KEYS)
-    rollout_stats = {**dict.fromkeys(ROLLOUT_KEYS, 0.0), "prompt_tokens": 1.0, "completion_tokens": 1.0}
-    row = train_row(Progress(step=1), 0, 0, 0, rollout_stats, dict.fromkeys(TRAIN_KEYS.values(), 0.0),
-                    sampled_version=0, entropy=math.nan, grad_norm=0.0, lr=1.0, time_train=0.0, time_sync=0.0,
+    rollout_stats = {"reward_mean": 0.0, "prompt_tokens": 1.0, "completion_tokens": 1.0}
+    row = train_row(progress=Progress(step=1), stage=0, iteration=0, sgd_iteration=0, rollout_stats=rollout_stats,
+                    train_stats={"loss": 0.0}, sampled_version=0, entropy=math.nan, grad_norm=0.0, lr=1.0, time_train=0.0, time_sync=0.0,
                     sync_bytes=0.0, iteration_seconds=1.0, instruments={**empty, "parity_kl": 0.5})
     assert not set(SPLIT_KEYS) & set(row) and row["parity_kl"] == 0.5

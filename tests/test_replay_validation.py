@@ -6,7 +6,6 @@ a token id outside the vocabulary or another G is refused with one line naming t
 Before, each was read inside the training loop: a traceback after training the batches before it,
 or (another model, a NaN log-prob, an unknown format) a run that trained silently and exited 0.
 """
-import json
 import os
 import shutil
 import subprocess

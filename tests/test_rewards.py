@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 
 from grpo.data import DataConfig, read_rows
-from grpo.rewards import RewardConfig, RewardScorer, boxed_contents, gold_to_latex
+from grpo.rewards import Completion, RewardConfig, RewardScorer, boxed_contents, gold_to_latex
 
 # The scorer's math-verify runs in worker processes: the torchrun tier (child processes).
 pytestmark = pytest.mark.torchrun
@@ -34,6 +34,11 @@ def extract_answer(text: str) -> Optional[str]:
 def scorer():
     with RewardScorer(RewardConfig(workers=2, timeout_s=TIMEOUT_S)) as s:
         yield s
+
+
+def score(scorer, texts, golds):
+    """The scorer on completions that are text and gold answer only (what correctness reads)."""
+    return scorer.score([Completion(text, gold) for text, gold in zip(texts, golds, strict=True)])
 
 
 def _as_boxed(solution: str) -> str:
@@ -81,8 +86,8 @@ def test_gold_to_latex():
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="format_weight"):
-        RewardConfig(format_weight=1.5)
+    with pytest.raises(ValueError, match="terms: unknown term 'fromat'"):
+        RewardConfig(terms={"correct": 0.9, "fromat": 0.1})
     with pytest.raises(ValueError, match="timeout_s"):
         RewardConfig(timeout_s=0)
 
@@ -94,7 +99,7 @@ def test_config_validation():
 def test_gsm8k_reference_solutions_score_one(scorer):
     solutions, gold = _gsm8k_rows()
     assert len(solutions) == 1319 and all(s.rstrip().endswith("}") for s in solutions)
-    rewards, info = scorer.score(solutions, gold)
+    rewards, info = score(scorer, solutions, gold)
     assert info["timeouts"] == 0 and info["errors"] == 0 and info["no_answer"] == 0
     wrong = [(i, solutions[i][-40:], gold[i]) for i, r in enumerate(rewards) if r != 1.0]
     assert wrong == []
@@ -110,7 +115,7 @@ def test_gsm8k_deranged_pairs_score_zero_unless_values_match(scorer):
         if all(i != j for i, j in enumerate(perm)):
             break
     other_gold = [gold[j] for j in perm]
-    rewards, info = scorer.score(solutions, other_gold)
+    rewards, info = score(scorer, solutions, other_gold)
     expected = [1.0 if float(gold[i]) == float(other_gold[i]) else 0.0 for i in range(n)]
     assert 0 < sum(expected) < 0.05 * n  # a few random pairs share a value (~1%)
     assert rewards == expected
@@ -121,14 +126,14 @@ def test_gsm8k_deranged_pairs_score_zero_unless_values_match(scorer):
 # Format reward and modes
 
 
-def test_format_weight_mixes_correctness_and_format():
+def test_terms_weigh_correctness_and_format():
     completions = [r"\boxed{4}", r"\boxed{5}", r"first \boxed{3} then \boxed{4}", "4", r"\boxed{2+2}"]
     golds = ["4"] * 5
-    with RewardScorer(RewardConfig(workers=1, format_weight=0.2)) as s:
-        rewards, info = s.score(completions, golds)
+    with RewardScorer(RewardConfig(workers=1, terms={"correct": 0.8, "format": 0.2})) as s:
+        rewards, info = score(s, completions, golds)
     # correct, format:  (1,1)   (0,1)  (1,0) last box counts   (0,0) no box   (1,1)
     assert rewards == pytest.approx([1.0, 0.2, 0.8, 0.0, 1.0])
-    assert info["correct"] == [1.0, 0.0, 1.0, 0.0, 1.0] and info["format_ok"] == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert info["correct"] == [1.0, 0.0, 1.0, 0.0, 1.0] and info["terms"]["format"] == [1.0, 1.0, 0.0, 0.0, 1.0]
     assert info["no_answer"] == 1 and info["accuracy"] == pytest.approx(0.6)
     assert info["extracted"] == ["4", "5", "4", None, "2+2"]
 
@@ -137,21 +142,16 @@ def test_inline_mode_and_unboxed_answers():
     completions = [r"\boxed{0.5}", r"The answer is $\frac{1}{2}$.", r"\boxed{\frac{2}{4}}", r"\boxed{1/3}"]
     golds = [r"\frac{1}{2}"] * 4
     with RewardScorer(RewardConfig(workers=0)) as s:
-        assert s.score(completions, golds)[0] == [1.0, 0.0, 1.0, 0.0]
+        assert score(s, completions, golds)[0] == [1.0, 0.0, 1.0, 0.0]
     with RewardScorer(RewardConfig(workers=0, require_boxed=False)) as s:
-        assert s.score(completions, golds)[0] == [1.0, 1.0, 1.0, 0.0]
+        assert score(s, completions, golds)[0] == [1.0, 1.0, 1.0, 0.0]
         # Unboxed, the last number counts: listing candidates does not earn the reward.
-        assert s.score(["19 20 21 22", "2 + 17 = 19", "2 + 17 = 19, no wait 20"], ["19"] * 3)[0] == [0.0, 1.0, 0.0]
+        assert score(s, ["19 20 21 22", "2 + 17 = 19", "2 + 17 = 19, no wait 20"], ["19"] * 3)[0] == [0.0, 1.0, 0.0]
 
 
 def test_duplicates_are_scored_once(scorer):
-    rewards, info = scorer.score([r"\boxed{7}"] * 6 + [r"\boxed{8}"] * 2, ["7"] * 8)
+    rewards, info = score(scorer, [r"\boxed{7}"] * 6 + [r"\boxed{8}"] * 2, ["7"] * 8)
     assert rewards == [1.0] * 6 + [0.0] * 2 and info["unique_pairs"] == 2 and info["n"] == 8
-
-
-def test_length_mismatch_is_an_error(scorer):
-    with pytest.raises(ValueError, match="2 completions but 1 gold"):
-        scorer.score(["a", "b"], ["1"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,17 +161,17 @@ def test_length_mismatch_is_an_error(scorer):
 def test_adversarial_completions_time_out_and_pool_recovers(scorer):
     tower = r"Surely \boxed{10^{10^{10^{10}}}}"  # sympy never finishes comparing this with 5
     braces = r"\boxed{" + "{" * 500_000 + "1" + "}" * 500_000 + "}"  # a megabyte of nested braces
-    old_pids = {w.process.pid for w in scorer._workers}
+    old_pids = {w.process.pid for w in scorer.pool._workers}
     start = time.monotonic()
-    rewards, info = scorer.score([tower, braces, r"\boxed{5}"], ["5", "5", "5"])
+    rewards, info = score(scorer, [tower, braces, r"\boxed{5}"], ["5", "5", "5"])
     elapsed = time.monotonic() - start
     assert rewards == [0.0, 0.0, 1.0]
     assert info["timeouts"] == 2
     # Both run in parallel and are cut at the deadline; the third waits for a fresh worker (~1 s idle).
     assert elapsed < TIMEOUT_S + 12, elapsed  # slack for a worker restart on a contended machine
-    assert not old_pids & {w.process.pid for w in scorer._workers}  # the stuck workers were replaced
+    assert not old_pids & {w.process.pid for w in scorer.pool._workers}  # the stuck workers were replaced
     solutions, gold = _worked_sums(40)
-    rewards, info = scorer.score(solutions, gold)
+    rewards, info = score(scorer, solutions, gold)
     assert rewards == [1.0] * 40 and info["timeouts"] == 0
     assert scorer.total_timeouts >= 2
 
@@ -181,24 +181,24 @@ def test_tasks_queued_behind_a_stuck_one_are_rescored():
     # worker is killed they must go back to the queue and be scored by its replacement.
     with RewardScorer(RewardConfig(workers=1, timeout_s=1.5)) as s:
         s.wait_ready()
-        rewards, info = s.score([r"\boxed{10^{10^{10^{10}}}}", r"\boxed{1}", r"\boxed{2}"], ["5", "1", "3"])
+        rewards, info = score(s, [r"\boxed{10^{10^{10^{10}}}}", r"\boxed{1}", r"\boxed{2}"], ["5", "1", "3"])
     assert rewards == [0.0, 1.0, 0.0] and info["timeouts"] == 1 and info["errors"] == 0
 
 
 def test_killed_worker_is_replaced(scorer):
-    victim = scorer._workers[0].process
+    victim = scorer.pool._workers[0].process
     victim.kill()
     victim.wait()
-    rewards, info = scorer.score([r"\boxed{1}", r"\boxed{2}", r"\boxed{3}"], ["1", "2", "4"])
+    rewards, info = score(scorer, [r"\boxed{1}", r"\boxed{2}", r"\boxed{3}"], ["1", "2", "4"])
     assert rewards == [1.0, 1.0, 0.0] and info["errors"] == 0
-    assert victim.pid not in {w.process.pid for w in scorer._workers}
+    assert victim.pid not in {w.process.pid for w in scorer.pool._workers}
 
 
 def test_close_ends_workers():
     s = RewardScorer(RewardConfig(workers=2))
     s.wait_ready()
-    assert all(w.ready for w in s._workers)
-    assert s.score([r"\boxed{3}"], ["3"])[0] == [1.0]
-    processes = [w.process for w in s._workers]
+    assert all(w.ready for w in s.pool._workers)
+    assert score(s, [r"\boxed{3}"], ["3"])[0] == [1.0]
+    processes = [w.process for w in s.pool._workers]
     s.close()
     assert all(p.poll() is not None for p in processes)

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from grpo.cpu import CPUConfig
-from grpo.serving.client import InferenceClient, InferenceServerError, ServerUnavailableError
 from grpo.fsutil import hash_file
-from grpo.serving.inference import InferenceServer, ServerConfig
 from grpo.models import load_model, load_tokenizer
+from grpo.serving.client import InferenceClient, InferenceServerError, ServerUnavailableError
+from grpo.serving.inference import InferenceServer, ServerConfig
 from grpo.serving.supervisor import group_alive
 from grpo.serving.weights_writer import write_weights
 from tiny_models import make_tiny_model_dir

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from grpo.parallel import GROUP_STILL_REFERENCED
-from tiny_models import make_tiny_model_dir
 from test_metrics import run_file, wandb_history
+from tiny_models import make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.vllm
@@ -182,7 +182,7 @@ def test_a_replay_under_another_objective_needs_no_server(model_dir, two_rank_ru
     """The recorded alpha is fixed and known: CISPO with a token-level IS cap trains on the same
     batches (their advantages recomputed under its config), with no inference server process."""
     run_dir, rows = replay(model_dir, two_rank_run, 1, "replay-cispo", "objective.loss=cispo",
-                           "objective.adv_scale=none")
+                           "objective.advantage=none")
     assert not (run_dir / "server").exists()
     assert len(rows) == 8 and all(isinstance(r["loss"], float) for r in rows)
     live = [r for r in read_rows(two_rank_run) if "loss" in r]

@@ -7,8 +7,12 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from grpo import metrics
 from grpo.cpu.cores import engine_cores
 from grpo.cpu.memory import malloc_env
+
+metrics.declare("server_threads", "time", "a CPU engine's thread count for this batch ([cpu.md](cpu.md)); absent on a "
+                "GPU engine")
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
