@@ -288,6 +288,19 @@ def by_lag(seeds: dict[int, list[dict]], v: int, keys=LAG_KEYS) -> dict[str, lis
     return out
 
 
+def lag_legend(keys) -> str:
+    """What each column holds: its declaration where it is computed (grpo.metrics.declare)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from grpo import metrics
+
+    metrics.load_declarations()
+    lines = []
+    for key in keys:
+        m = metrics.declared(key)
+        lines.append(f"- `{key}` ({m.section}/, `{m.module}`): {m.meaning}" if m else f"- `{key}`: not declared")
+    return "\n".join(lines)
+
+
 def lag_table(lags: dict[str, list[tuple[float, float, int]]]) -> str:
     keys = [k for k in lags if any(n for _, _, n in lags[k])]
     lines = ["| lag | " + " | ".join(f"`{k}`" for k in keys) + " |", "| --- |" + " --- |" * len(keys)]
@@ -536,13 +549,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         "",
         "## Inside a v-window: v10-i1 by lag",
         "",
-        "Per lag (the iteration's place in its window: optimizer steps since the push that sampled its batch), "
-        "each seed's mean over its windows, then mean +- std over seeds. `tv_pik_alpha` is the drift term "
-        "2 E TV(pi_k, alpha) of eq. 4 (halved), split into `tv_staleness` (pi_k against the pushed weights) and "
-        "`tv_mismatch` (engine against trainer); `bound_M` is eq. 4's M over all groups, `bound_M_nonzero` over "
-        "the groups with nonzero variance.",
+        "Per lag (`alpha_lag_steps`: optimizer steps since the push that sampled the batch, its place in the "
+        "window), each seed's mean over its windows, then mean +- std over seeds. Eq. 4 charges an off-policy "
+        "update 2 E TV(pi_k, alpha) (`tv_pik_alpha`, which the instruments split into `tv_staleness` and "
+        "`tv_mismatch`) and 2 M sqrt(E TV^2(pi, alpha)), M being `bound_M`.",
         "",
         lag_table(lags) if points["v10-i1"] else "No v10-i1 run yet.",
+        "",
+        lag_legend(LAG_KEYS),
         "",
         f"![instruments by lag]({fig_lag.name})" if points["v10-i1"] else "",
         "",

@@ -107,6 +107,7 @@ def test_the_page_states_each_claims_verdict_from_the_runs(tmp_path):
     assert v10.decided_by[0].at == "step 50" and v10.decided_by[0].iv.diffs == pytest.approx([0.02, 0.03, 0.01])
     assert v10.decided_by[1].at == "pushes 5"  # v10-i1 after 5 pushes (its end) against v1-i1 after 5 (step 5)
     assert "| 9 | 0.5 +- 0 | 0.092 +- " in page  # lag 9: tv_pik_alpha = tv_mismatch + staleness
+    assert "- `tv_staleness` (bound/, `grpo.staleness`): the part that is staleness" in page  # its declaration
     lags = report.by_lag(report.plot.load_sweep(sweep)[1]["v10-i1"], 10)
     assert [round(m, 6) for m, _, _ in lags["tv_staleness"]] == [0.01 * lag for lag in range(10)]
     assert all(n == 3 for _, _, n in lags["is_weight_ess"])
