@@ -39,8 +39,8 @@ from grpo.batching import collate  # noqa: E402
 from grpo.config import ConfigError, load_config  # noqa: E402
 from grpo.models import load_model, load_tokenizer  # noqa: E402
 from grpo.objective import finalize_stats, local_denominators, token_weights  # noqa: E402
-from grpo.policy import ObjectiveInputs, Policy  # noqa: E402
 from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
+from grpo.policy import ObjectiveInputs, Policy  # noqa: E402
 from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
 

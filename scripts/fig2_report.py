@@ -511,7 +511,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fig2_report.py: error: {e}", file=sys.stderr)
         return 2
     seeds = sorted({s for p in points.values() for s in p})
-    runs_done = sum(len(p) for p in points.values())
+    def progress_of(sweep_dir: Path, manifest: dict, points: Points) -> str:
+        finished = sum((sweep_dir / r["name"] / "final").is_dir() for r in manifest["runs"])
+        drawn = sum(len(p) for p in points.values())
+        return (f"{finished} of {len(manifest['runs'])} runs finished"
+                + (f", {drawn - finished} in progress drawn at their latest checkpoint (--partial)" if drawn > finished else ""))
+
     sweeps_run = [(args.sweep, manifest)] + ([(args.vsweep, vs_manifest)] if vs_manifest else [])
     wall = sum(wall_minutes(Path(d), m) for d, m in sweeps_run)
     command = "python scripts/fig2_report.py " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -522,8 +527,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "(the reading of it is in [sweeps.md](sweeps.md#the-cpu-replica-of-figure-2-make-replicate)).",
         "",
         f"- command: `{command}`",
-        f"- sweep: `{manifest['config']}`, {runs_done} finished runs of {len(manifest['runs'])}, seeds {seeds}"
-        + (f"; v-sweep `{vs_manifest['name']}`" if vs_manifest else ""),
+        f"- sweep `{manifest['name']}` of `{manifest['config']}`, seeds {seeds}: {progress_of(sweep_dir, manifest, points)}"
+        + (f"; v-sweep `{vs_manifest['name']}`: {progress_of(Path(args.vsweep), vs_manifest, vs_points)}"
+           if vs_manifest else ""),
         f"- machine: {machine()}",
         f"- date: {time.strftime('%Y-%m-%d')}; wall time of the runs: {wall:.0f} min",
         "",
