@@ -531,7 +531,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         + (f"; v-sweep `{vs_manifest['name']}`: {progress_of(Path(args.vsweep), vs_manifest, vs_points)}"
            if vs_manifest else ""),
         f"- machine: {machine()}",
-        f"- date: {time.strftime('%Y-%m-%d')}; wall time of the runs: {wall:.0f} min",
+        f"- date: {time.strftime('%Y-%m-%d')}; wall time of the runs: {wall:.0f} min (every attempt, as scripts/sweep.py records it)",
         "",
         "## Verdicts",
         "",
