@@ -48,8 +48,10 @@ from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_mode
 from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, logged_stats,
                             merge_stats, token_weights)
 from grpo.optim import build_optimizer, build_scheduler
-from grpo.parallel import (DistInfo, all_reduce_max, all_reduce_sum, broadcast_json, close_distributed,
-                           gather_full_state_dict, init_distributed, launch_env, on_main_rank, shard_model)
+from grpo.parallel import (EXIT_LOST_RANK, DistInfo, all_reduce_max, all_reduce_sum, broadcast_json,
+                           close_distributed, device_memory_bytes, gather_full_state_dict, gradient_sync_plan,
+                           init_distributed, launch_env, lost_rank, on_lost_rank, on_main_rank, shard_model,
+                           stop_watchdog)
 from grpo.policy import ObjectiveInputs, Policy, copy_policy
 from grpo.progress import Progress
 from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
@@ -141,6 +143,7 @@ class Run:
     stop: StopFlag
     serve_dtype: torch.dtype  # what pushes and the final export are cast to (the server's dtype)
     shares_gpu_with_server: bool = False  # one GPU for this trainer and the server (grpo.layout)
+    sync_every_micro_batch: bool = False  # reduce-scatter gradients after every micro-batch (optim.grad_sync)
     server: Optional[InferenceServer] = None
     scorer: Optional[RewardScorer] = None
     sampler: Optional[PromptSampler] = None
@@ -150,10 +153,11 @@ class Run:
     instruments: OffPolicyInstruments  # staleness split, parity probe, recording (grpo/instruments.py)
 
     def close(self) -> None:
-        self.sample_ahead.close()
-        self.logger.close()
-        if self.server is not None:
+        stop_watchdog()  # ranks that end with this one are not lost
+        if self.server is not None:  # first: the launcher kills a rank that takes long to end (torchrun: 30 s)
             self.server.stop()
+        self.sample_ahead.close()  # a batch sampled ahead fails at once with the server stopped
+        self.logger.close()
         if self.scorer is not None:
             self.scorer.close()
         # The sharded models hold the process group: release them so that it is freed here.
@@ -170,7 +174,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
                          rank=env.rank, local_rank=env.local_rank, local_world_size=env.local_world_size,
                          node_rank=env.node_rank, memory_fraction=cfg.server.gpu_memory_utilization,
                          server_gpus=cfg.server.tensor_parallel_size)
-    info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s)
+    info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s, cfg.parallel.heartbeat_timeout_s)
     cfg.log.run_name = shared_run_name(cfg)
     preflight.check_batch_split(cfg.grpo.batch_prompts, info.world_size)
     torch.manual_seed(cfg.seed + info.rank)
@@ -197,6 +201,10 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     policy = build_policy(cfg, info.device, trainable=True)
+    sync_every, why = gradient_sync_plan(cfg.optim.grad_sync, policy, device_memory_bytes(info.device, env.local_world_size))
+    if info.is_main:
+        print(f"[train] gradients reduce-scattered after {'every' if sync_every else 'the last'} micro-batch ({why})",
+              file=sys.stderr)
     # which path the objective takes here (fused kernel, torch inside the fused head, or whole
     # sequences through autograd); on CUDA, a kernel that leaves a statistic unwritten stops here
     objective_path = check_objective_path(cfg.objective, info.device, cfg.kernels)
@@ -213,18 +221,21 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               checkpointer=checkpointer, logger=MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               stop=StopFlag(), serve_dtype=serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu),
               sampler=sampler, eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
-              shares_gpu_with_server=layout.shares_gpu, recorded=recorded,
+              shares_gpu_with_server=layout.shares_gpu, recorded=recorded, sync_every_micro_batch=sync_every,
               instruments=OffPolicyInstruments(cfg, info, run_dir, policy, pushed_policy, tokenizer, made_with))
     room = checkpointer.room_warning(checkpoint_size(run)) if info.is_main else None
     if room:  # a save writes the new checkpoint before it prunes the oldest
         print(f"[train] warning: {room}", file=sys.stderr)
     progress = Progress()
-    if not resume:
+    latest = run.checkpointer.latest() if resume else None
+    if resume and latest is None:  # stopped before its first checkpoint: the run starts again, its rows dropped
+        if info.is_main:
+            print(f"[train] --resume: no complete checkpoint under {run.checkpointer.dir}; starting from step 0",
+                  file=sys.stderr)
+        run.logger.truncate_after(0)
+    if latest is None:
         run.instruments.start()
-    if resume:
-        latest = run.checkpointer.latest()
-        if latest is None:
-            raise SystemExit(f"--resume: no complete checkpoint under {run.checkpointer.dir}")
+    else:
         saved = run.checkpointer.load(latest, policy, optimizer, ref_policy, push_model=pushed_policy)
         # saved inside a v-window with its copy of the pushed weights (else the next push makes one); the run's probe
         run.instruments.resumed(Checkpointer.holds_push_model(latest))
@@ -240,6 +251,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         run.server = run.instruments.server = InferenceServer.launch(
             cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
             gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
+        on_lost_rank(run.server.stop)  # a rank ending for a lost peer leaves no server behind
     # the CPU fence's one hook (nothing off CPU): malloc, the LM head's GEMMs, cores shared with the engine
     tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy, pushed_policy], run.sample_ahead, run.server)
     if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir and not cfg.replay:
@@ -466,8 +478,9 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
     num_seqs, num_tokens = denominators
     totals, entropy_sum = None, torch.zeros((), device=run.dist.device)
     for j, mb in enumerate(micro_batches):
-        # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch.
-        run.policy.set_requires_gradient_sync(j == len(micro_batches) - 1)
+        # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch, which
+        # keeps full unsharded fp32 gradients on every rank meanwhile (optim.grad_sync)
+        run.policy.set_requires_gradient_sync(run.sync_every_micro_batch or j == len(micro_batches) - 1)
         if first:
             logp_ref = None
             if run.ref_policy is not None:
@@ -493,6 +506,10 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
             cache.split.after(mb.logp_alpha, out.logp, weights != 0)
         totals = out.stats if totals is None else merge_stats(totals, out.stats)
     if first:
+        # pi_ref's no-grad forwards left FSDP2's root gathered (a root does not reshard after forward):
+        # free it until the next batch (the staleness split does the same for pi_push)
+        if run.ref_policy is not None:
+            run.ref_policy.reshard()
         cache.entropy_sum = all_reduce_sum({"entropy": entropy_sum})["entropy"]
         cache.split.finish()
     return all_reduce_stats(totals), cache.entropy_sum
@@ -609,6 +626,8 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, ModelPathError, LayoutError, ReplayError) as e:  # bad input: one line, exit 2
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        return stopped_by_lost_rank(e)
     try:
         bar = run.logger.progress(cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, initial=progress.step)
         for stage in range(progress.stage, cfg.grpo.S):
@@ -658,8 +677,20 @@ def main(argv=None) -> int:
             then = "; free space there, then --resume" if isinstance(e, NoSpaceError) else ""
             print(f"[train] error: {e}{then}", file=sys.stderr)
         return 1
+    except Exception as e:
+        return stopped_by_lost_rank(e)
     finally:
         run.close()
+
+
+def stopped_by_lost_rank(error: Exception) -> int:
+    """A collective failed because another rank is gone: one line naming it (grpo.parallel.RankWatchdog)
+    instead of a traceback, and EXIT_LOST_RANK. Any other error is raised as it is."""
+    line = lost_rank(error)
+    if line is None:
+        raise error
+    print(line, file=sys.stderr)
+    return EXIT_LOST_RANK
 
 
 if __name__ == "__main__":

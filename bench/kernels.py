@@ -11,12 +11,17 @@
                oneDNN's bf16 math mode (kernels.lm_head.gemm_strategy), as the baseline of that mode
 
 at Qwen2.5-0.5B sizes (N=2048 tokens, H=896, V=151936, fp32) by default; backend "auto" = the torch
-implementation on CPU, Triton on CUDA. Each variant runs in its own subprocess. Memory on CPU is the
-RSS high-water mark (resource.getrusage ru_maxrss) minus a baseline taken after the inputs are
-allocated and touched; on CUDA, torch.cuda.max_memory_allocated minus the allocation after the inputs.
-"above floor" also subtracts the gradients that any method must return (grad of hidden and of the
-weight: fp32 [V, H] = 544 MB at these sizes). Then the shared memory of every Triton kernel variant,
-compiled ahead of time for sm_90 (kernels/aot.py, no GPU needed).
+implementation on CPU, Triton on CUDA. Each variant runs in its own subprocess, first once on one
+chunk of tokens at the full H and V (what runs the first time is not the kernel's: library code pages,
+GEMM buffers), then measured. Memory on CPU is the RSS high-water mark (/proc/self/status VmHWM,
+reset to the resident set after the warm-up) minus that resident set; glibc returns every freed
+block of 1 MiB or more to the system there (MALLOC_MMAP_THRESHOLD_), so the mark follows the
+tensors alive, not what the allocator kept of earlier ones (a heap that kept the forward's 16 MB
+log-softmax blocks into the backward added 0 to 90 MB, run to run). On CUDA,
+torch.cuda.max_memory_allocated minus the allocation after the inputs. "above floor" also subtracts
+the gradients that any method must return (grad of hidden and of the weight: fp32 [V, H] = 519 MiB
+at these sizes). Then the shared memory of every Triton kernel variant, compiled ahead of time for
+sm_90 (kernels/aot.py, no GPU needed).
 
     .venv/bin/python bench/kernels.py            # full sizes, ~1-2 min on 2 cores
     .venv/bin/python bench/kernels.py --quick    # small sizes, seconds
@@ -31,6 +36,7 @@ variant's figures and ratios to (a), and the loss kernel's ratios to the torch o
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -43,25 +49,43 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 MB = 1024 * 1024
+# glibc: blocks of this size or more are mapped and unmapped one by one (setting it also stops glibc
+# from raising its threshold to the largest block freed so far, which kept 16 MB blocks in the heap)
+MMAP_THRESHOLD = 1 << 20
 
 
 def rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def rss_status_bytes(key: str) -> int:
+    """VmRSS / VmHWM of this process from /proc/self/status."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def reset_rss_peak() -> bool:
+    """Give freed heap memory back (malloc_trim) and reset the high-water mark to the resident set
+    (Linux >= 4.0: "5" > /proc/self/clear_refs); False where that cannot be done."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def forward(args, hidden, weight, targets, upstream):
-    """(loss = sum(upstream * logp), logp [N]) of the variant named args.variant."""
+    """(loss = sum(upstream * logp), logp [N]) of the variant named args.variant (the kernel alone:
+    the head's CPU GEMM mode is set once by the worker)."""
     import torch
 
     import kernels
 
-    if args.device == "cpu":  # as the trainer on this CPU runs it: oneDNN's bf16 math mode where honoured
-        from grpo.cpu.bf16 import install_lm_head_bf16_math
-
-        install_lm_head_bf16_math()
-    if args.variant.endswith("_ieee"):  # the head's GEMMs without oneDNN's bf16 math mode
-        kernels.lm_head.set_cpu_bf16_gemms(None)
-        args = argparse.Namespace(**{**vars(args), "variant": args.variant.removesuffix("_ieee")})
     if args.variant == "naive":
         log_probs = torch.log_softmax((hidden @ weight.t()).float() / args.temperature, dim=-1)
         logp = log_probs.gather(1, targets[:, None])[:, 0]
@@ -101,11 +125,15 @@ def worker(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    # Warm-up on tiny shapes: one-off initialisation (thread pools, BLAS/oneDNN buffers, Triton JIT)
-    # must not be counted against the variant.
-    tiny = [torch.randn(8, 16, device=device, requires_grad=True), torch.randn(64, 16, device=device, requires_grad=True)]
-    forward(args, tiny[0], tiny[1], torch.randint(0, 64, (8,), device=device), torch.randn(8, device=device))[0].backward()
-    del tiny
+    if args.device == "cpu":  # as the trainer on this CPU runs it: oneDNN's bf16 math mode where honoured
+        from grpo.cpu.bf16 import install_lm_head_bf16_math
+
+        install_lm_head_bf16_math()
+    if args.variant.endswith("_ieee"):  # the head's GEMMs without oneDNN's bf16 math mode
+        import kernels
+
+        kernels.lm_head.set_cpu_bf16_gemms(None)
+        args = argparse.Namespace(**{**vars(args), "variant": args.variant.removesuffix("_ieee")})
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     # Filled in place: a temporary here would raise the RSS high-water mark above the baseline's
@@ -115,12 +143,22 @@ def worker(args) -> dict:
     weight.requires_grad_()
     targets = torch.randint(0, args.vocab, (args.n_tokens,), device=device)
     upstream = torch.randn(args.n_tokens, device=device)  # d loss / d logp, as the objective would give
+    # Warm-up: the variant once on one chunk of tokens at the full H and V, so one-off initialisation
+    # (library code pages, thread pools, BLAS/oneDNN buffers, Triton JIT) is not counted against it.
+    warm = min(args.n_tokens, args.chunk_tokens)
+    hidden_w = hidden.detach()[:warm].clone().requires_grad_()
+    forward(args, hidden_w, weight, targets[:warm], upstream[:warm])[0].backward()
+    del hidden_w
+    weight.grad = None
     gc.collect()
     on_cuda = device.type == "cuda"
+    reset = False
     if on_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
+    elif (reset := reset_rss_peak()):
+        baseline = rss_status_bytes("VmRSS")  # inputs are allocated and written: they are resident
     else:
         baseline = rss_peak_bytes()  # inputs are allocated and written: they are in the high-water mark
         resident = rss_now_bytes()
@@ -137,13 +175,17 @@ def worker(args) -> dict:
     seconds = time.perf_counter() - t0
     cpu = cpu_seconds() - cpu0
 
-    peak = (torch.cuda.max_memory_allocated() if on_cuda else rss_peak_bytes()) - baseline
+    if on_cuda:
+        peak = torch.cuda.max_memory_allocated() - baseline
+    else:
+        peak = (rss_status_bytes("VmHWM") if reset else rss_peak_bytes()) - baseline
     floor = hidden.grad.numel() * hidden.grad.element_size() + weight.grad.numel() * weight.grad.element_size()
     return dict(variant=args.variant, seconds=round(seconds, 2), forward_seconds=round(t_forward, 2),
                 cpu_seconds=round(cpu, 2),
                 peak_above_baseline_mb=round(peak / MB, 1), floor_mb=round(floor / MB, 1),
                 above_floor_mb=round((peak - floor) / MB, 1), chunk_tokens=args.chunk_tokens if args.variant.startswith("fused") else None,
-                memory="cuda max_memory_allocated" if on_cuda else "RSS high-water (getrusage ru_maxrss)",
+                memory="cuda max_memory_allocated" if on_cuda else
+                "RSS high-water (VmHWM) after a reset" if reset else "RSS high-water (getrusage ru_maxrss)",
                 # checksums: the three variants compute the same thing
                 logp_sum=round(float(logp.detach().double().sum()), 3),
                 grad_weight_norm=round(float(weight.grad.double().norm()), 5),
@@ -213,6 +255,7 @@ def run_variant(args, variant: str, chunk_tokens: int) -> dict:
            "--backend", args.backend, "--threads", str(args.threads), "--loss-tokens", str(args.loss_tokens),
            "--loss-repeats", str(args.loss_repeats)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # read by glibc at the worker's start
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"bench/kernels.py: variant {variant} failed:\n{proc.stderr[-4000:]}")

@@ -75,7 +75,9 @@ class MicroBatch:
     seq_of_token: torch.Tensor  # [N] sequence of each flat token
     # the shared-prompt layout (collate_groups; grpo.shared_prompt), None in the plain one:
     position_ids: Optional[torch.Tensor] = None  # [R, L] positions restart at P in every slot
-    segments: Optional[torch.Tensor] = None  # [R, 3] int64 on the CPU: (P, W, n) of each group row
+    # (P, W, n) of each group row as plain ints: no tensor for FSDP2 to move to the GPU with the
+    # forward's inputs, so the attention reads them without a device-to-host copy in every layer
+    segments: Optional[tuple[tuple[int, int, int], ...]] = None
 
 
 def _sequence_fields(samples: list[Sample], device: torch.device) -> dict[str, torch.Tensor]:
@@ -151,7 +153,7 @@ def collate_groups(groups: list[list[Sample]], pad_id: int, device: torch.device
         return MicroBatch(input_ids=torch.full((1, 1), pad_id, dtype=torch.long, device=device),
                           completion_index=torch.zeros(0, dtype=torch.long, device=device),
                           position_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
-                          segments=torch.tensor([[1, 0, 0]], dtype=torch.long), **fields)
+                          segments=((1, 0, 0),), **fields)
     width = max(group_row_length(g) for g in groups)
     input_ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(groups), width), dtype=torch.long)
@@ -169,6 +171,6 @@ def collate_groups(groups: list[list[Sample]], pad_id: int, device: torch.device
             position_ids[r, start:start + w] = torch.arange(p, p + w)
             # completion token j is predicted by the position before it: the prompt's last for j = 0
             index.extend(r * width + (p - 1 if j == 0 else start + j - 1) for j in range(len(s.completion_ids)))
-        segments.append([p, w, len(group)])
+        segments.append((p, w, len(group)))
     return MicroBatch(input_ids=input_ids.to(device), completion_index=torch.tensor(index, dtype=torch.long, device=device),
-                      position_ids=position_ids.to(device), segments=torch.tensor(segments, dtype=torch.long), **fields)
+                      position_ids=position_ids.to(device), segments=tuple(segments), **fields)

@@ -14,6 +14,10 @@ takes the same path as 8 ranks (NCCL refuses a CPU tensor on 1 rank as on 8).
 Time-outs. Ranks 1..n wait in a collective while rank 0 starts vLLM (minutes of compilation and
 CUDA graphs), evaluates (GSM8K test x K=50) and samples; NCCL's default of 10 minutes would abort
 the run, so the group's time-out is `parallel.timeout_s` (default 4 hours).
+
+Lost ranks. A rank that dies, hangs or is stopped must not leave the others waiting for that time-out:
+`RankWatchdog` (every rank, a heartbeat through the launcher's store) stops the run within
+`parallel.heartbeat_timeout_s` (default 60 s) with one line naming the lost rank (docs/faults.md).
 """
 from __future__ import annotations
 
@@ -22,9 +26,14 @@ import datetime
 import gc
 import json
 import os
+import socket
+import sys
+import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,10 +46,13 @@ class ParallelConfig:
     """The `parallel:` section."""
 
     timeout_s: float = 4 * 3600.0  # a collective may wait this long (rank 0 starting vLLM, evaluating, sampling)
+    # a rank silent this long (stopped, hung, its node gone) is lost: every rank stops (RankWatchdog)
+    heartbeat_timeout_s: float = 60.0
 
     def __post_init__(self):
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        for name in ("timeout_s", "heartbeat_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -84,8 +96,10 @@ def process_group_backend(device_type: str) -> str:
     raise ValueError(f"device: no process group backend for device type {device_type!r}")
 
 
-def init_distributed(device: torch.device | str = "cpu", timeout_s: float = ParallelConfig.timeout_s) -> DistInfo:
-    """The default process group for `device` (this rank's, from grpo.layout) with the time-out."""
+def init_distributed(device: torch.device | str = "cpu", timeout_s: float = ParallelConfig.timeout_s,
+                     heartbeat_timeout_s: float = ParallelConfig.heartbeat_timeout_s) -> DistInfo:
+    """The default process group for `device` (this rank's, from grpo.layout) with the time-out, and
+    with several ranks the watchdog that stops this rank when another is lost (RankWatchdog)."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -103,7 +117,215 @@ def init_distributed(device: torch.device | str = "cpu", timeout_s: float = Para
         dist.init_process_group(backend=process_group_backend(device.type),
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+    global _watchdog
+    if _watchdog is None and dist.get_world_size() > 1:
+        _watchdog = RankWatchdog(dist.get_rank(), dist.get_world_size(), heartbeat_timeout_s)
+        _watchdog.start()
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]), device)
+
+
+EXIT_LOST_RANK = 75  # a rank was lost (os.EX_TEMPFAIL: try again later, with --resume)
+
+
+class RankWatchdog:
+    """Stops this rank, in a bounded time, when another rank of the group is lost.
+
+    Every rank's daemon thread bumps its counter in the launcher's store (torchrun's TCPStore, or
+    rank 0's without torchrun: MASTER_ADDR:MASTER_PORT) every `interval_s` and reads the others'.
+    Another rank is lost when
+      - its process has exited: ranks on this host are looked up by pid at every beat (seconds);
+      - its counter has not moved for `timeout_s`: stopped (SIGSTOP), hung, or its node gone
+        without closing its sockets. A rank busy outside collectives (rank 0 starting vLLM,
+        sampling, evaluating) still beats: the thread runs beside the work;
+      - or another rank found it lost first (the verdict is shared through the store);
+    and the store is lost when it does not answer for `timeout_s` (the launcher is gone).
+
+    The main thread takes the verdict with `claim` when an exception reaches it (gloo fails a
+    collective with a dead peer at once): it prints the line and ends the run normally. If it has
+    not claimed it within `grace_s` (it waits in a collective that will never return: a stopped
+    peer, or NCCL with a dead one, which waits for parallel.timeout_s), this thread prints the line,
+    runs the cleanups given to `on_lost` (rank 0: stop the inference server) and exits the process
+    with EXIT_LOST_RANK. torchrun then stops the other ranks of its node: SIGTERM, and SIGKILL 30 s
+    later (torch 2.13's agent waits that long for the ranks of a failed group, whatever its
+    --shutdown-timeout), which also ends a stopped rank."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, store=None) -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, float(timeout_s)
+        self.interval_s = min(max(self.timeout_s / 10, 0.2), 2.0)
+        self.grace_s = 2 * self.interval_s
+        self._store = store
+        self._cleanups: list[Callable[[], None]] = []
+        self._verdict: Optional[str] = None
+        self._found = threading.Event()  # a verdict was reached
+        self._claimed = threading.Event()  # the main thread handles the end (or the run is closing)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rank-watchdog", daemon=True)
+
+    def start(self) -> None:
+        if self._store is None:
+            self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                        timeout=datetime.timedelta(seconds=max(self.interval_s, 5.0)),
+                                        wait_for_workers=False)
+        self._store.set(f"{_WATCH_KEY}/who/{self.rank}", json.dumps(_this_process()))
+        self._thread.start()
+
+    def on_lost(self, cleanup: Callable[[], None]) -> None:
+        """Run `cleanup` before this thread ends the process for a lost rank (never on a normal end)."""
+        self._cleanups.append(cleanup)
+
+    def claim(self, wait_s: float) -> Optional[str]:
+        """The main thread takes over the end of the run: the verdict (waiting up to wait_s for one),
+        or None when no rank is lost. This thread then never ends the process itself."""
+        self._claimed.set()
+        self._found.wait(wait_s)
+        return self._verdict
+
+    def stop(self) -> None:
+        self._claimed.set()
+        self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.grace_s + 5)
+        self._store = None  # closes the connection
+
+    # -- the thread
+    def _watch(self) -> None:
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        beats = [f"{_WATCH_KEY}/beat/{r}" for r in peers]
+        seen = {r: (None, time.monotonic()) for r in peers}  # rank -> (its last count, when it last moved)
+        who: dict[int, dict] = {}  # rank -> its host and process (_this_process)
+        store_ok = time.monotonic()
+        while not self._stopped.wait(self.interval_s):
+            now = time.monotonic()
+            try:  # a few round trips a beat, whatever the world size
+                self._store.add(f"{_WATCH_KEY}/beat/{self.rank}", 1)
+                verdict = self._shared_verdict()
+                for r in [r for r in peers if r not in who]:  # the first beats only
+                    if self._store.check([f"{_WATCH_KEY}/who/{r}"]):
+                        who[r] = json.loads(self._store.get(f"{_WATCH_KEY}/who/{r}"))
+                if self._store.check(beats):
+                    counts = [int(c) for c in self._store.multi_get(beats)]
+                else:  # some rank has not beaten yet: one by one (adding 0 reads without waiting)
+                    counts = [self._store.add(key, 0) for key in beats]
+                store_ok = now
+            except Exception as e:  # noqa: BLE001 - the store's errors (DistNetworkError, time-outs) all mean "no answer"
+                if now - store_ok <= self.timeout_s:
+                    continue
+                verdict = (f"lost the launcher's store {self._store.host}:{self._store.port} "
+                           f"(no answer for {now - store_ok:.0f} s: {type(e).__name__})")
+                counts = []
+            for r, count in zip(peers, counts):
+                if verdict:
+                    break
+                if r in who and _same_host(who[r]) and not _alive(who[r]):
+                    verdict = f"lost rank {r} (its process {who[r]['pid']} exited)"
+                elif count != seen[r][0]:
+                    seen[r] = (count, now)
+                elif now - seen[r][1] > self.timeout_s:
+                    verdict = (f"lost rank {r} (no heartbeat for {now - seen[r][1]:.0f} s: stopped, hung or its node "
+                               f"unreachable; parallel.heartbeat_timeout_s={self.timeout_s:g})")
+            if verdict:
+                self._decide(verdict)
+                return
+
+    def _shared_verdict(self) -> Optional[str]:
+        key = f"{_WATCH_KEY}/lost"
+        if not self._store.check([key]):
+            return None
+        return self._store.get(key).decode()
+
+    def _decide(self, verdict: str) -> None:
+        self._verdict = verdict
+        try:  # every other rank learns it at its next beat, wherever it runs
+            self._store.compare_set(f"{_WATCH_KEY}/lost", "", verdict)
+        except Exception:  # noqa: BLE001 - the store may be what was lost
+            pass
+        self._found.set()
+        if self._claimed.wait(self.grace_s):
+            return  # the main thread ends the run (or it was closing anyway)
+        print(lost_rank_line(self.rank, verdict), file=sys.stderr, flush=True)
+        for cleanup in self._cleanups:
+            try:
+                cleanup()
+            except Exception as e:  # noqa: BLE001 - the process ends either way
+                print(f"[grpo] rank {self.rank}: cleanup after a lost rank failed: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_LOST_RANK)
+
+
+_WATCH_KEY = "grpo/watchdog"
+_watchdog: Optional[RankWatchdog] = None
+
+
+def lost_rank_line(rank: int, verdict: str) -> str:
+    return f"[grpo] rank {rank}: {verdict}; stopping (resume with --resume once every rank can run)"
+
+
+def stop_watchdog() -> None:
+    """The run is ending on its own (finished, stopped, failed): peers leaving now are not lost."""
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
+
+
+def on_lost_rank(cleanup: Callable[[], None]) -> None:
+    """Run `cleanup` (e.g. stop the inference server) if this rank ends the process for a lost rank."""
+    if _watchdog is not None:
+        _watchdog.on_lost(cleanup)
+
+
+def lost_rank(error: BaseException) -> Optional[str]:
+    """Why `error` reached the loop, if a lost rank is the reason: the line to print, else None.
+
+    A collective with a dead peer fails at once (gloo sees the closed connection) while the dead
+    rank is found within a beat (same host) or parallel.heartbeat_timeout_s (elsewhere): an error
+    raised inside torch.distributed waits up to that long for the verdict, any other error not at all."""
+    if _watchdog is None:
+        return None
+    wait_s = _watchdog.timeout_s + 2 * _watchdog.interval_s if _from_collective(error) else 0.0
+    verdict = _watchdog.claim(wait_s)
+    return lost_rank_line(_watchdog.rank, verdict) if verdict else None
+
+
+def _from_collective(error: BaseException) -> bool:
+    """Raised inside torch.distributed (a collective, FSDP's gathers, a checkpoint's planning)."""
+    tb = error.__traceback__
+    while tb is not None:
+        if f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return isinstance(error, dist.DistError)
+
+
+def _this_process() -> dict:
+    return {"host": socket.gethostname(), "pid_ns": _pid_namespace(), "pid": os.getpid(),
+            "start": _start_time(os.getpid())}
+
+
+def _pid_namespace() -> Optional[int]:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), None if gone
+    or a zombie: with the pid it names one process, never a later one that reuses the pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _same_host(who: dict) -> bool:
+    return who.get("host") == socket.gethostname() and who.get("pid_ns") == _pid_namespace() and bool(who.get("start"))
+
+
+def _alive(who: dict) -> bool:
+    return _start_time(int(who["pid"])) == who["start"]
 
 
 # The one mesh per device type that FSDP2 shards on, made here so that close_distributed can free it.
@@ -130,6 +352,7 @@ def close_distributed() -> bool:
     (DTensor's sharding caches hold the mesh). destroy_process_group alone left gloo's threads
     running until exit, where tearing them down aborted ~1 in 25 finished 2-rank runs ("terminate
     called without an active exception", exit -6)."""
+    stop_watchdog()
     if not dist.is_initialized():
         return True
     group = weakref.ref(dist.group.WORLD)
@@ -183,6 +406,35 @@ def shard_model(wrapper: torch.nn.Module, lm: torch.nn.Module, param_dtype: torc
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(wrapper, mesh=mesh, mp_policy=dataclasses.replace(mp, cast_forward_inputs=False))
     return wrapper
+
+
+# optim.grad_sync "auto": reduce-scatter after every micro-batch once the unsharded fp32 gradients
+# would take more than this share of a rank's device memory (docs/layouts.md#memory-per-rank).
+UNSHARDED_GRADIENTS_SHARE = 0.05
+
+
+def device_memory_bytes(device: torch.device, ranks_on_node: int = 1) -> int:
+    """A rank's memory: its GPU's, or on a CPU the machine's RAM shared by the node's ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(ranks_on_node, 1)
+
+
+def gradient_sync_plan(setting: str, model: torch.nn.Module, memory_bytes: int) -> tuple[bool, str]:
+    """(reduce-scatter the gradients after every micro-batch, why) for optim.grad_sync.
+
+    FSDP2 told to sync at the last micro-batch only (set_requires_gradient_sync) keeps every rank's
+    full, unsharded fp32 gradients between micro-batches: 4 bytes per parameter (6 GB at 1.5B, 28 GB
+    at 7B), against one reduce-scatter per optimizer step. Syncing after every micro-batch keeps
+    only this rank's shard (4 / world_size bytes per parameter) and pays one reduce-scatter per
+    micro-batch. "auto" keeps them unsharded while they take at most UNSHARDED_GRADIENTS_SHARE of
+    the rank's memory (`memory_bytes`)."""
+    if setting != "auto":
+        return setting == "every_micro_batch", f"optim.grad_sync={setting}"
+    unsharded = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor numel: the full size
+    every = unsharded > UNSHARDED_GRADIENTS_SHARE * memory_bytes
+    return every, (f"optim.grad_sync=auto: unsharded fp32 gradients {unsharded / 2**30:.2f} GiB "
+                   f"{'>' if every else '<='} {UNSHARDED_GRADIENTS_SHARE:.0%} of {memory_bytes / 2**30:.0f} GiB")
 
 
 def all_reduce_sum(values: dict[str, torch.Tensor | float]) -> dict[str, float]:

@@ -57,7 +57,7 @@ class Policy(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, completion_index: torch.Tensor, completion_tokens: torch.Tensor,
                 objective: Optional[ObjectiveInputs] = None, with_entropy: bool = False,
-                position_ids: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None):
+                position_ids: Optional[torch.Tensor] = None, segments: Optional[tuple] = None):
         """input_ids [B, L] right-padded prompt+completion (no attention mask needed: with causal
         attention a real token never sees the padding after it), or with position_ids and segments
         the shared-prompt group rows (grpo.batching.collate_groups, grpo.shared_prompt).

@@ -13,8 +13,9 @@ same log-probs, loss and gradients, with (n - 1) * P fewer tokens through the mo
 G = 8 (prompts ~100 tokens, completions ~125): 39% fewer tokens.
 
 The attention is registered with transformers as "grpo_shared_prompt" and reads the row layout from
-the `segments` keyword ([rows, 3] int64 on the CPU: P, W, n), which the model passes down to every
-attention call. It runs two SDPA calls per row: causal over the prompt, then the n slots as a batch
+the `segments` keyword ((P, W, n) per row, plain ints), which the model passes down to every
+attention call. Plain ints, not a tensor: FSDP2 moves a tensor among the forward's inputs to the
+GPU, and reading it back would cost a device-to-host synchronisation in every layer. It runs two SDPA calls per row: causal over the prompt, then the n slots as a batch
 against [prompt keys | own keys] with a [W, P + W] mask.
 """
 from __future__ import annotations
@@ -31,14 +32,14 @@ def slot_mask(prompt_len: int, width: int, device: torch.device) -> torch.Tensor
 
 
 def shared_prompt_attention(module, query, key, value, attention_mask=None, dropout: float = 0.0,
-                            scaling=None, segments: torch.Tensor | None = None, **kwargs):
+                            scaling=None, segments=None, **kwargs):
     """transformers' attention signature: query [R, H, T, D], key/value [R, Hkv, T, D] ->
-    ([R, T, H, D], None). Padding (past P + n * W in a row) gets zeros: no real token sees it."""
+    ([R, T, H, D], None); segments: (P, W, n) of each row. Padding (past P + n * W in a row) gets zeros: no real token sees it."""
     if segments is None:
         raise ValueError("the shared-prompt attention needs the rows' segments (P, W, n)")
     gqa = query.shape[1] != key.shape[1]
     rows = []
-    for r, (p, w, n) in enumerate(segments.tolist()):
+    for r, (p, w, n) in enumerate(segments):
         q, k, v = query[r], key[r], value[r]  # [H, T, D]
         parts = [F.scaled_dot_product_attention(q[None, :, :p], k[None, :, :p], v[None, :, :p], is_causal=True,
                                                 scale=scaling, enable_gqa=gqa)[0]]

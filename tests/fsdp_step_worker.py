@@ -21,13 +21,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 import train  # noqa: E402
 from grpo import objective as O  # noqa: E402
 from grpo.advantages import group_advantages  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
-from grpo.parallel import close_distributed, gather_full_state_dict, init_distributed  # noqa: E402
+from grpo.parallel import (close_distributed, device_memory_bytes, gather_full_state_dict, gradient_sync_plan,  # noqa: E402
+                           init_distributed)
 from grpo.rollout import Rollout, Sample  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
 
@@ -65,7 +67,9 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     optimizer = build_optimizer(policy, cfg.optim)
     run = SimpleNamespace(cfg=cfg, dist=info, policy=policy, ref_policy=ref, optimizer=optimizer,
                           scheduler=build_scheduler(optimizer, 10, cfg.optim), tokenizer=SimpleNamespace(pad_token_id=0),
-                          sample_ahead=train.SampleAhead())  # nothing sampled ahead
+                          sample_ahead=train.SampleAhead(),  # nothing sampled ahead
+                          sync_every_micro_batch=gradient_sync_plan(cfg.optim.grad_sync, policy,
+                                                                    device_memory_bytes(info.device))[0])
     vocab = policy.lm.config.vocab_size
     if os.environ.get("GRPO_NO_SKIP") == "1":  # the reference: every sequence runs forward and backward
         train.contributing = lambda completion_mask, *a, **k: torch.ones(completion_mask.shape[0], dtype=torch.bool)
@@ -81,6 +85,8 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
         kls.append(O.finalize_stats(stats)["kl_mean"])
         norms.append(grad_norm)
         entropies.append(entropy_sum / max(float(stats["num_tokens"]), 1.0))  # what train.py logs at each step
+    # pi_ref's forwards left FSDP2's root gathered; the step reshards it (every parameter a DTensor shard)
+    ref_resharded = ref is None or all(isinstance(p, DTensor) for p in ref.parameters())
     full = gather_full_state_dict(policy.lm)
     # Padded tokens of each micro-batch of this rank, and whether it holds one sequence only.
     shapes = [[int(mb.input_ids.numel()), int(mb.completion_mask.shape[0])] for mb in mbs]
@@ -88,7 +94,7 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     torch.distributed.all_gather_object(all_shapes, shapes)
     checksum = float(sum(t.double().abs().sum() for t in full.values()))
     return {"losses": losses, "grad_norms": norms, "param_abs_sum": checksum, "entropies": entropies, "kls": kls,
-            "micro_batches": len(mbs), "world_size": info.world_size, "shapes": all_shapes,
+            "micro_batches": len(mbs), "world_size": info.world_size, "shapes": all_shapes, "ref_resharded": ref_resharded,
             "rows": sum(int(mb.input_ids.shape[0]) for mb in mbs)}  # this rank's (shared-prompt: group rows)
 
 

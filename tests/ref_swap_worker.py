@@ -28,9 +28,12 @@ with torch.no_grad():
     for p in policy.parameters():
         p.add_(0.01)  # pi_theta moves away from pi_ref
     before = (policy(ids, index, targets)[0] - ref(ids, index, targets)[0]).abs().max().item()
-    copy_policy(ref, policy)
+copy_policy(ref, policy)  # as train.py calls it: gradients enabled around it
+params = list(ref.parameters())
+leaves = sum(p.is_leaf and not p.requires_grad and p.grad_fn is None for p in params)
+with torch.no_grad():
     after = (policy(ids, index, targets)[0] - ref(ids, index, targets)[0]).abs().max().item()
 if info.rank == 0:
-    print(json.dumps({"before": before, "after": after}))
+    print(json.dumps({"before": before, "after": after, "frozen_parameters": len(params), "leaves_without_grad": leaves}))
 del policy, ref  # the sharded models hold the group: release them so that it is freed now
 close_distributed()

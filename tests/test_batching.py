@@ -100,7 +100,10 @@ def test_collate_groups_slots_see_the_positions_of_the_plain_layout():
     plain = collate([s for g in groups for s in g], pad_id=0, device=torch.device("cpu"))
     assert mb.input_ids.tolist() == [[10, 11, 12, 100, 101, 0, 0, 100, 101, 102, 103],
                                      [10, 11, 100, 0, 0, 0, 0, 0, 0, 0, 0]]
-    assert mb.segments.tolist() == [[3, 4, 2], [2, 1, 1]]
+    # plain ints: no tensor among the forward's inputs for FSDP2 to move to the GPU, so the attention
+    # of every layer reads them without a device-to-host synchronisation
+    assert mb.segments == ((3, 4, 2), (2, 1, 1))
+    assert all(type(x) is int for row in mb.segments for x in row)
     width = mb.input_ids.shape[1]
     assert mb.completion_index.tolist() == [2, 3, 2, 7, 8, 9, width + 1]
     assert mb.position_ids.view(-1)[mb.completion_index].tolist() == [2, 3, 2, 3, 4, 5, 1]

@@ -10,7 +10,7 @@ import pytest
 
 from grpo.layout import (OWN_GPU_FRACTION, SHARED_GPU_FRACTION, LayoutError, overlap_is_free, plan_layout,
                          training_dtype, visible_gpus)
-from grpo.parallel import launch_env, process_group_backend
+from grpo.parallel import device_memory_bytes, gradient_sync_plan, launch_env, process_group_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "parallel_worker.py")
@@ -32,6 +32,25 @@ def test_backend_decision():
 
 
 @pytest.mark.torchrun
+@pytest.mark.parametrize("hidden,vocab_rows,every", [(896, 560_000, False), (1536, 1_000_000, True), (3584, 2_000_000, True)])
+def test_gradients_stay_unsharded_only_where_they_are_a_small_share_of_the_device(hidden, vocab_rows, every):
+    """optim.grad_sync auto on an 80 GiB GPU: the unsharded fp32 gradients of a 0.5B model (2 GB) are
+    kept between micro-batches (one reduce-scatter per step); those of a 1.5B (6 GB) or 7B model
+    (28 GB) are reduce-scattered after every micro-batch. A model on the meta device holds the sizes."""
+    import torch
+
+    model = torch.nn.Linear(hidden, vocab_rows, bias=False, device="meta")
+    params = hidden * vocab_rows
+    gpu = 80 * 2**30
+    decided, why = gradient_sync_plan("auto", model, gpu)
+    assert decided is every and f"{4 * params / 2**30:.2f} GiB" in why
+    assert gradient_sync_plan("last_micro_batch", model, gpu)[0] is False
+    assert gradient_sync_plan("every_micro_batch", model, gpu)[0] is True
+    model.requires_grad_(False)  # a frozen model has no gradients to keep
+    assert gradient_sync_plan("auto", model, gpu)[0] is False
+    assert 0 < device_memory_bytes(torch.device("cpu"), 2) < device_memory_bytes(torch.device("cpu"), 1)
+
+
 def test_payloads_of_several_mb_round_trip_on_two_ranks(tmp_path):
     proc = torchrun(2, "payload", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -525,6 +526,11 @@ def test_generation_waits_during_a_push(server, tiny):
 
 
 @pytest.mark.vllm
+def test_health_reports_the_lm_head_dtype_the_engine_runs(server):
+    assert server.client.request("GET", "/grpo/health")["head_dtype"] == "float32"
+
+
+@pytest.mark.vllm
 def test_a_refused_request_is_not_a_death(server, tiny):
     """A 4xx answer is raised as it is: no restart, no re-push (the same process keeps serving)."""
     pid, version = server.pid, server.weights_version()
@@ -550,6 +556,42 @@ def test_killed_server_gives_clear_error_and_generate_restarts_it(server, tiny):
     # InferenceServer.generate restarts the child (same port) and re-serves the last push, then answers.
     assert _greedy(server, tiny["prompt_ids"]) == (served, version)
     assert server.pid != old_pid and server.is_alive() and server.weights_version() == version
+
+
+@pytest.mark.vllm
+def test_a_server_whose_engine_dies_while_it_starts_exits_at_once(tiny, tmp_path):
+    """The vLLM engine-core process SIGKILLed after the engine came up and before the HTTP server
+    started (tests/serving_starts_late.py holds that window open 20 s): the server exits within
+    seconds, with its own code and line, so its supervisor starts it again. Before, vLLM's own
+    shutdown on engine death covered only a running HTTP server: this one went on to serve, answering
+    503 "engine is dead", and the trainer waited for its health until server.startup_timeout_s (the
+    chaos soak's resumed run, its engine killed as its server came up, hung there)."""
+    import psutil
+
+    from grpo.serving.server import ENGINE_DIED_EXIT, TOKEN_ENV
+
+    up = tmp_path / "engine_up"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the engine's processes import grpo
+    cmd = [sys.executable, os.path.join(root, "tests", "serving_starts_late.py"), "--model", str(tiny["model_dir"]),
+           "--weights-root", str(tmp_path / "weights"), "--port-file", str(tmp_path / "port"), "--dtype", "float32",
+           "--max-model-len", "256", "--enforce-eager"]
+    env = {**os.environ, TOKEN_ENV: "t" * 32, "ENGINE_UP_FILE": str(up), "PYTHONPATH": root}
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not up.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert up.is_file(), (tmp_path / "server.log").read_text()[-3000:]
+        engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "VLLM::EngineCore"]
+        assert len(engines) == 1, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+        engines[0].kill()
+        code = proc.wait(timeout=15)  # before: still running, its HTTP server about to answer 503s
+    finally:
+        if group_alive(proc.pid):  # whatever happened, no server left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == ENGINE_DIED_EXIT
+    assert "[grpo.server] the vLLM engine died: exiting" in (tmp_path / "server.log").read_text()
 
 
 @pytest.mark.torchrun  # starts a real server process (killed at its start-up time-out)
@@ -670,6 +712,32 @@ def test_vllm_chooses_the_executor_on_gpu_and_a_cpu_engine_gets_the_in_process_o
     assert gpu.worker_extension_cls == "grpo.serving.worker_ext.GRPOWorkerExtension"
     cpu = vllm_args(parse_args(base), 8000, on_cpu=True)
     assert cpu.distributed_executor_backend == EXECUTOR and cpu.tensor_parallel_size == 1
+
+
+def test_the_launched_server_runs_its_lm_head_in_fp32_by_default(tmp_path):
+    """The trainer's logits are fp32; vLLM computes a generation model's in the model's dtype unless
+    hf_overrides says head_dtype. The launched server's command carries --head-dtype float32 by
+    default (server.head_dtype: model for the serving dtype), the server hands it to vLLM, and vLLM's
+    model config resolves it for a bf16 engine: fp32 by default, bf16 when asked."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from grpo.serving.inference import _REPO_ROOT, server_command
+    from grpo.serving.server import parse_args, vllm_args
+
+    model_dir = make_tiny_model_dir(tmp_path / "model", arch="qwen2", dtype=torch.bfloat16)
+    heads = {}
+    for cfg in (ServerConfig(), ServerConfig(head_dtype="model")):
+        cmd = server_command(cfg, model_dir, tmp_path / "w", tmp_path / "server", torch.bfloat16, 0.85)
+        assert cmd[1:3] == ["-m", "grpo.serving.server"]
+        assert cmd[cmd.index("--head-dtype") + 1] == cfg.head_dtype
+        args = vllm_args(parse_args(cmd[3:] + ["--port", "0"]), 8000, on_cpu=True)
+        assert args.hf_overrides == {"head_dtype": cfg.head_dtype}
+        heads[cfg.head_dtype] = AsyncEngineArgs.from_cli_args(args).create_model_config().head_dtype
+    assert heads == {"float32": torch.float32, "model": torch.bfloat16}
+    with pytest.raises(ValueError, match="head_dtype: must be one of"):
+        ServerConfig(head_dtype="float16")
+    # the child imports grpo from the checkout, wherever the trainer was started
+    assert (Path(_REPO_ROOT) / "grpo" / "serving" / "server.py").is_file()
 
 
 def test_config_validation():
@@ -828,6 +896,42 @@ def test_server_killed_before_a_push_is_restarted_by_the_push(server, tiny):
     assert server.client.weights_version() == current + 1
     assert _greedy(server.client, tiny["prompt_ids"])[0] == _hf_greedy(
         tiny["hf"], sd, tiny["prompt_ids"], 12, tiny["tok"].eos_token_id)
+
+
+@pytest.mark.vllm
+def test_a_request_survives_deaths_one_after_another_and_one_while_the_server_starts(server, tiny, capfd):
+    """Deaths close together, as the chaos soak (scripts/chaos_soak.py) threw them at a resumed run:
+    the server killed 0.5 s into a long request; its restart killed as soon as it has bound its port,
+    before its engine starts (a start is tried twice); the next one killed 0.5 s after it answers
+    again (re-serving the last push or in the retried request). The request still answers, from the
+    weights last pushed. Before, a request survived one death and a death during a start none (the
+    resumed run died with "exited with code -9 during start-up")."""
+    version = _push_next(server, _perturbed(tiny["hf"], seed=9))
+    port_file = server._process.server_dir / "port"
+    killed = []
+
+    def kill(pid):
+        killed.append(pid)
+        os.kill(pid, signal.SIGKILL)
+
+    def kill_three():
+        time.sleep(0.5)
+        kill(server.pid)  # 1: in the request
+        for ready, then_s in ((port_file.is_file, 0.0), (server.client.health, 0.5)):  # 2: starting, 3: answering
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not (server.pid not in killed and ready()):
+                time.sleep(0.02)
+            time.sleep(then_s)
+            kill(server.pid)
+
+    killer = threading.Thread(target=kill_three, daemon=True)
+    killer.start()
+    result = server.generate(tiny["prompt_ids"], n=128, max_tokens=200, temperature=1.0, seed=3)  # seconds of work
+    killer.join()
+    assert len(killed) == 3 and server.pid not in killed and server.is_alive()
+    assert result.weights_version == version and [len(c) for c in result.completions] == [128, 128]
+    err = capfd.readouterr().err
+    assert err.count("inference server failed") == 3 and "exited with code -9 during start-up" in err
 
 
 @pytest.mark.vllm
@@ -1018,3 +1122,8 @@ def test_stop_leaves_no_process(server):
     assert not group_alive(pgid)
     assert not (server.run_dir / "server" / "token").exists()
     assert not root.exists()  # the private weights root goes with it
+    # a request after the stop (a batch still sampled ahead as the run ends) fails and starts nothing:
+    # before, it restarted the server inside the closing run
+    with pytest.raises(ServerUnavailableError):
+        server.generate([[1, 2, 3]], n=1, max_tokens=4, temperature=1.0)
+    assert not group_alive(server.pid) and server.pid == pgid

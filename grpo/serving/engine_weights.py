@@ -2,7 +2,15 @@
 under the write side of the version gate, its hashes and finiteness checked in a thread meanwhile,
 and on any failure the previous weights are reloaded before the gate opens again, so no request
 ever sees rejected weights. After a load the engine's fingerprint (grpo/serving/fingerprint.py)
-goes back to the trainer."""
+goes back to the trainer.
+
+No KV computed with the old weights outlives a push. The gate keeps our requests out, but the engine
+may still run one it does not see (a request whose handler is gone); its KV blocks are held, and
+vLLM's prefix-cache reset then fails with only a warning (vllm/v1/core/block_pool.py), leaving the
+old weights' KV for equal prefixes. So the engine first finishes what it runs, on the weights it
+started with, and takes no new work (pause_generation, mode "wait") while the weights change; a
+push counts as served only once the reset has succeeded, and a reset that fails is a refused push:
+the previous weights are reloaded, as for any other failure."""
 import asyncio
 import json
 import math
@@ -100,6 +108,12 @@ class WeightsState:
         await self.control.for_reload()
         await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
 
+    async def _forget_cached_kv(self) -> None:
+        """Reset the engine's prefix cache; WeightPushError if it refused (a request holds blocks)."""
+        if not await self.engine.reset_prefix_cache():
+            raise WeightPushError("the engine could not reset its prefix cache (a request still holds KV blocks): "
+                                  "equal prefixes would reuse KV computed with the previous weights")
+
     async def load(self, manifest: dict[str, Any], hashes_checked: bool) -> dict[str, Any]:
         """Load a checked directory; on any failure restore the previous weights and raise."""
         path, version = Path(manifest["path"]), manifest["version"]
@@ -109,51 +123,62 @@ class WeightsState:
             if version <= self.version:
                 raise WeightPushError(f"version {version} is not newer than the served version {self.version}")
             t0 = time.perf_counter()
-            loop = asyncio.get_running_loop()
-            # Hash and finiteness are checked in a thread while the engine process loads: they overlap,
-            # and a failure rolls the engine back below.
-            def verify() -> None:
-                if not hashes_checked:
-                    check_hashes(manifest)
-                check_finite(manifest)
-
-            hash_job = loop.run_in_executor(None, _timed, verify)
-            load_error: Optional[BaseException] = None
+            # What the engine runs now (none of ours: the gate waited for them) ends on the old weights.
+            await self.engine.pause_generation(mode="wait", clear_cache=False)
             try:
-                await self._reload(path)
-            except Exception as e:  # the engine reports its own errors; keep them for the message
-                load_error = e
-            reload_seconds = time.perf_counter() - t0
-            hash_seconds = 0.0
-            hash_error: Optional[BaseException] = None
-            if hash_job is not None:
-                try:
-                    hash_seconds = await hash_job
-                except Exception as e:  # a mismatch, or the file vanished or became unreadable
-                    hash_error = e if isinstance(e, WeightPushError) else WeightPushError(
-                        f"{path}: could not hash: {type(e).__name__}: {e}")
-            if load_error or hash_error:
-                reason = str(hash_error or f"engine failed to load it: {load_error}")
-                try:
-                    await self._reload(self.serving_dir)
-                    await self.engine.reset_prefix_cache()
-                except Exception as e:
-                    self.broken = f"restoring version {self.version} failed after a rejected push: {e}"
-                    raise WeightPushError(f"{reason}; {self.broken}") from None
-                raise WeightPushError(f"{reason}; still serving version {self.version}")
-            # KV blocks cached under the old weights would be reused for equal prefixes otherwise.
-            await self.engine.reset_prefix_cache()
-            seconds = time.perf_counter() - t0
-            self.version, self.step, self.serving_dir = version, manifest.get("step", 0), path
-            self.served_digest = manifest["files"][0][manifest["hash"]]
-            self.broken = None  # a good push repairs a failed rollback
-            if path.parent == Path(os.path.realpath(self.root)):
-                (self.root / SERVING_MARKER).write_text(path.name + "\n")
-            # What the engine holds now, from its own parameters: the trainer checks it against
-            # what it pushed (a load that silently skipped or altered a tensor is caught there).
-            t1 = time.perf_counter()
-            fingerprint = merge_rank_fingerprints(await self.engine.collective_rpc("grpo_weights_fingerprint"))
-            fingerprint_seconds = time.perf_counter() - t1
+                reply = await self._swap(manifest, hashes_checked, t0)
+            finally:
+                await self.engine.resume_generation()
+        return reply
+
+    async def _swap(self, manifest: dict[str, Any], hashes_checked: bool, t0: float) -> dict[str, Any]:
+        """With the engine idle: load, verify, forget the old KV, fingerprint; or restore and raise."""
+        path, version = Path(manifest["path"]), manifest["version"]
+
+        # Hash and finiteness are checked in a thread while the engine process loads: they overlap,
+        # and a failure rolls the engine back below.
+        def verify() -> None:
+            if not hashes_checked:
+                check_hashes(manifest)
+            check_finite(manifest)
+
+        hash_job = asyncio.get_running_loop().run_in_executor(None, _timed, verify)
+        reason: Optional[str] = None
+        try:
+            await self._reload(path)
+        except Exception as e:  # the engine reports its own errors; keep them for the message
+            reason = f"engine failed to load it: {e}"
+        reload_seconds = time.perf_counter() - t0
+        hash_seconds = 0.0
+        try:
+            hash_seconds = await hash_job
+        except Exception as e:  # a mismatch, or the file vanished or became unreadable
+            reason = str(e) if isinstance(e, WeightPushError) else f"{path}: could not hash: {type(e).__name__}: {e}"
+        if reason is None:
+            try:  # KV cached under the old weights would be reused for equal prefixes otherwise
+                await self._forget_cached_kv()
+            except WeightPushError as e:
+                reason = str(e)
+        if reason is not None:
+            # The engine ran nothing meanwhile (paused), so what it caches was computed with the
+            # weights restored here.
+            try:
+                await self._reload(self.serving_dir)
+            except Exception as e:
+                self.broken = f"restoring version {self.version} failed after a rejected push: {e}"
+                raise WeightPushError(f"{reason}; {self.broken}") from None
+            raise WeightPushError(f"{reason}; still serving version {self.version}")
+        seconds = time.perf_counter() - t0
+        self.version, self.step, self.serving_dir = version, manifest.get("step", 0), path
+        self.served_digest = manifest["files"][0][manifest["hash"]]
+        self.broken = None  # a good push repairs a failed rollback
+        if path.parent == Path(os.path.realpath(self.root)):
+            (self.root / SERVING_MARKER).write_text(path.name + "\n")
+        # What the engine holds now, from its own parameters: the trainer checks it against
+        # what it pushed (a load that silently skipped or altered a tensor is caught there).
+        t1 = time.perf_counter()
+        fingerprint = merge_rank_fingerprints(await self.engine.collective_rpc("grpo_weights_fingerprint"))
+        fingerprint_seconds = time.perf_counter() - t1
         return {"version": version, "seconds": seconds, "bytes": sum(f["bytes"] for f in manifest["files"]),
                 "reload_seconds": reload_seconds, "hash_seconds": hash_seconds, "fingerprint": fingerprint,
                 "fingerprint_seconds": fingerprint_seconds}

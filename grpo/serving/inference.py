@@ -10,7 +10,9 @@ The object owns both things the loop asks of the server: a push is write (weight
 hashed with server.weights_hash) -> load -> check the engine's fingerprint -> prune in one call, and generation survives a
 dead server: a launched child that died is restarted, the weights it served re-pushed (none
 before the first push: a fresh server serves the model directory as version 0, which is what it
-served), and the request retried. A request the server refuses (4xx) is raised as it is.
+served), and the request retried (through RESTARTS deaths); a child that dies while it starts is
+started once more. A request the server refuses (4xx) is raised as it is, and a stopped server is
+never started again.
 """
 from __future__ import annotations
 
@@ -35,13 +37,14 @@ from grpo.cpu.bf16 import multiplies_bf16
 from grpo.serving.client import (GenerationResult, InferenceClient, InferenceServerError, ScoreResult,
                                  ServerUnavailableError)
 from grpo.serving.fingerprint import fingerprint_mismatches, pushed_moments, unseen_by_fingerprint
-from grpo.serving.supervisor import ServerProcess
+from grpo.serving.supervisor import ServerProcess, StartupTimeout
 from grpo.serving.weights_dir import prune_weights
 from grpo.serving.weights_writer import write_weights
 
 TOKEN_ENV = "GRPO_SERVER_TOKEN"
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout: the launched child imports grpo from here
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+HEAD_DTYPES = ("float32", "model")
 
 
 @dataclass
@@ -69,6 +72,8 @@ class ServerConfig:
     seed: int = 0  # engine seed (set once; per-request seeds kill the CPU engine)
     trust_remote_code: bool = False  # let the model directory run its own Python code
     enforce_eager: bool = False  # no CUDA graphs / compilation: faster start, slower decoding
+    head_dtype: Literal["float32", "model"] = "float32"  # the engine's LM head: fp32 logits as the trainer's (alpha's
+    #                                                  log-probs in every ratio); "model": the serving dtype, faster
 
     def __post_init__(self) -> None:
         if self.url is not None and urllib.parse.urlparse(self.url).scheme not in ("http", "https"):
@@ -93,6 +98,8 @@ class ServerConfig:
             raise ValueError(f"max_model_len: must be >= 16, got {self.max_model_len}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"head_dtype: must be one of {list(HEAD_DTYPES)}, got {self.head_dtype!r}")
 
 
 def check_context_fits(cfg: ServerConfig, longest_prompt: int, budgets: dict[str, int]) -> None:
@@ -183,12 +190,30 @@ def _default_parent(run_dir: Path, need_bytes: int, keep_last: int) -> Path:
     return run_dir
 
 
+def server_command(cfg: ServerConfig, model_dir: Path, root: Path, server_dir: Path, dtype: torch.dtype,
+                   memory_fraction: float) -> list[str]:
+    """The launched server's command line (each start adds --port; a CPU engine its own flags): the
+    served model at `dtype`, its LM head at server.head_dtype, the private weights root and token file."""
+    cmd = [sys.executable, "-m", "grpo.serving.server", "--model", str(model_dir), "--weights-root", str(root),
+           "--token-file", str(server_dir / "token"), "--port-file", str(server_dir / "port"), "--host", cfg.host,
+           "--dtype", str(dtype).removeprefix("torch."), "--head-dtype", cfg.head_dtype,
+           "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
+           "--gpu-memory-utilization", str(memory_fraction), "--keep-last", str(cfg.keep_last),
+           "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+           "--parent-pid", str(os.getpid()), "--upload-timeout-s", str(cfg.upload_timeout_s)]
+    cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
+    cmd += ["--enforce-eager"] if cfg.enforce_eager else []
+    return cmd
+
+
 class WeightsMismatchError(InferenceServerError):
     """The weights the engine reports holding are not those the trainer pushed: stop the run."""
 
 
 class InferenceServer:
     """A grpo.serving.server child process (or an attached URL), its client, and the weights it serves."""
+
+    RESTARTS = 3  # deaths one request survives: a server that dies at every try is not restarted forever
 
     def __init__(self, cfg: ServerConfig, client: InferenceClient, model_dir: Path, run_dir: Path,
                  weights_root: Optional[Path], process: Optional[ServerProcess] = None,
@@ -241,15 +266,7 @@ class InferenceServer:
         os.close(fd)
         fraction = gpu_memory_utilization or cfg.gpu_memory_utilization or 0.85
         dtype = serving_dtype(cfg, model_dir, on_cpu=gpu is None)
-        cmd = [sys.executable, "-m", "grpo.serving.server", "--model", str(model_dir), "--weights-root", str(root),
-               "--token-file", str(token_file), "--port-file", str(server_dir / "port"), "--host", cfg.host,
-               "--dtype", str(dtype).removeprefix("torch."),
-               "--max-model-len", str(cfg.max_model_len), "--seed", str(cfg.seed),
-               "--gpu-memory-utilization", str(fraction), "--keep-last", str(cfg.keep_last),
-               "--tensor-parallel-size", str(cfg.tensor_parallel_size),
-               "--parent-pid", str(os.getpid()), "--upload-timeout-s", str(cfg.upload_timeout_s)]
-        cmd += ["--trust-remote-code"] if cfg.trust_remote_code else []
-        cmd += ["--enforce-eager"] if cfg.enforce_eager else []
+        cmd = server_command(cfg, model_dir, root, server_dir, dtype, fraction)
         env = dict(os.environ)
         env.pop(TOKEN_ENV, None)
         env["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -293,15 +310,19 @@ class InferenceServer:
 
     def _surviving(self, call):
         """call(); if a launched server died under it (before, during or after a push), restart it,
-        re-serve what it served, and call once more. A refusal (4xx) is raised as it is."""
-        try:
-            return call()
-        except ServerUnavailableError as e:
-            if self._process is None:
-                raise  # attached: not ours to restart
-            self._report_restart(e)
-            self.restart()
-            return call()
+        re-serve what it served, and call again, through up to RESTARTS deaths (one may come during
+        the retry itself). A refusal (4xx) is raised as it is."""
+        for restarts in range(self.RESTARTS + 1):
+            try:
+                if restarts:
+                    self.restart()  # a death while it re-serves counts as one more
+                return call()
+            except StartupTimeout:
+                raise  # a restart that never became healthy: restarting again would wait as long
+            except ServerUnavailableError as e:
+                if self._process is None or self._stopped or restarts == self.RESTARTS:
+                    raise  # attached: not ours to restart; stopped: the run is ending (a batch sampled ahead)
+                self._report_restart(e)
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int, step: int) -> dict:
         """alpha <- these weights (rank 0's full state dict): write, load, check, prune. Returns the
@@ -383,8 +404,16 @@ class InferenceServer:
             self._load(*self._served)
 
     def _start(self, port: int) -> None:
+        """Start the child and wait for its health; a child that dies while it starts (killed by the
+        OOM killer or an operator, at launch or in a restart) is started once more."""
         healthy = lambda url: InferenceClient(url, self._token, retry_deadline_s=1).health()  # noqa: E731
-        self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
+        try:
+            self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
+        except StartupTimeout:
+            raise
+        except ServerUnavailableError as e:  # it died while starting
+            self._report_restart(e)
+            self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
 
     def is_alive(self) -> bool:
         if self._process is not None and self._process.death_reason():

@@ -9,7 +9,10 @@ two middlewares (grpo/serving/gate.py) added.
 Log-probs: the engine runs with logprobs_mode="processed_logprobs", so each sampled token's
 log-prob is taken from the distribution it was actually sampled from (logits / temperature,
 then top-k/top-p renormalised): log alpha(o_t | q, o_<t) of the objective. With temperature 0
-(greedy) it is the plain log-softmax of the logits.
+(greedy) it is the plain log-softmax of the logits. The LM head runs in fp32 (`--head-dtype`,
+vLLM's hf_overrides head_dtype, ModelConfig.head_dtype): the trainer's logits are fp32, and a bf16
+logit's rounding (0.125 at |z| ~ 16-32) becomes ~0.6 nat after the paper's T = 0.1. On a GPU vLLM
+accumulates the head's GEMM in fp32 (torch.mm with out_dtype); on a CPU it multiplies fp32 copies.
 
 Security: binds 127.0.0.1 unless told otherwise; every route except the two open GETs and
 vLLM's /health needs `Authorization: Bearer <token>` (the token comes from a 0600 file or the
@@ -25,6 +28,8 @@ No orphans: every process vLLM starts for its engine (the engine core, tensor-pa
 by fork or by spawn, whichever executor vLLM picks, dies with this server (`engine_processes_die_with_server`).
 """
 import argparse
+import asyncio
+import json
 import os
 import stat
 import sys
@@ -85,6 +90,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="0 = any free port (written to --port-file)")
     p.add_argument("--port-file", help="the bound port is written here once the socket is bound")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--head-dtype", choices=["float32", "model"], default="float32",
+                   help="the LM head's dtype: float32 logits as the trainer computes them, or the model's dtype")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--seed", type=int, default=0, help="engine seed (per-request seeds kill the CPU engine)")
@@ -128,7 +135,8 @@ def vllm_args(ns: argparse.Namespace, port: int, on_cpu: bool) -> argparse.Names
     argv = ["--model", ns.model, "--dtype", ns.dtype, "--max-model-len", str(ns.max_model_len),
             "--seed", str(ns.seed), "--gpu-memory-utilization", str(ns.gpu_memory_utilization),
             "--tensor-parallel-size", str(ns.tensor_parallel_size),
-            "--logprobs-mode", "processed_logprobs", "--host", ns.host, "--port", str(port),
+            "--logprobs-mode", "processed_logprobs", "--hf-overrides", json.dumps({"head_dtype": ns.head_dtype}),
+            "--host", ns.host, "--port", str(port),
             "--worker-extension-cls", "grpo.serving.worker_ext.GRPOWorkerExtension",
             "--disable-uvicorn-access-log"]
     if ns.served_model_name:
@@ -150,6 +158,21 @@ def engine_executor_args(on_cpu: bool, cpu_executor: str = "in_process") -> list
 
         return ["--distributed-executor-backend", EXECUTOR]
     return []
+
+
+ENGINE_DIED_EXIT = 3  # the server's exit code when its engine died under it
+
+
+async def exit_when_the_engine_dies(engine, poll_s: float = 0.5) -> None:
+    """A server whose vLLM engine died (killed, OOM, a crash in a kernel) cannot serve again, but its
+    HTTP side would go on answering 503 "engine is dead": its supervisor would wait for health until
+    server.startup_timeout_s, or a request would retry until its deadline. End the process instead,
+    so the trainer sees a dead server at once and restarts it."""
+    while not engine.errored:
+        await asyncio.sleep(poll_s)
+    print("[grpo.server] the vLLM engine died: exiting so that the trainer restarts this server",
+          file=sys.stderr, flush=True)
+    os._exit(ENGINE_DIED_EXIT)  # nothing left to shut down gracefully: the engine is gone
 
 
 async def serve(ns: argparse.Namespace, token: str) -> None:
@@ -176,6 +199,8 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
     args = vllm_args(ns, port, on_cpu)
     root = Path(ns.weights_root)  # checked by main()
     async with build_async_engine_client(args) as engine:
+        # held for the life of serve(): the event loop keeps only weak references to tasks
+        watch = asyncio.create_task(exit_when_the_engine_dies(engine))  # noqa: F841
         tasks = await engine.get_supported_tasks()
         app = build_app(args, tasks, engine.model_config)
         await init_app_state(engine, app.state, args, tasks)
@@ -186,7 +211,7 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
         print(f"[grpo.server] engine worker heap frozen ({heap['frozen']} objects): a full garbage collection "
               f"took {heap['full_collection_s']:.3f} s, now {heap['full_collection_frozen_s']:.3f} s", flush=True)
         control = await EngineControl.start(engine, on_cpu, ns.cpu_sampler)  # the CPU fence's hook (GPU: nothing)
-        print(f"[grpo.server] sampler: {control.sampler}", flush=True)
+        print(f"[grpo.server] sampler: {control.sampler}; LM head in {engine.model_config.head_dtype}", flush=True)
         state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last,
                              dtype=serving_dtype_name(engine.model_config.dtype), control=control)
         routes = Routes(state, engine.model_config.get_vocab_size(), engine.model_config.max_model_len,

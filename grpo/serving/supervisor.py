@@ -23,6 +23,10 @@ from grpo.serving.client import ServerUnavailableError
 SERVER_PID_ENV = "GRPO_SERVER_PID"  # set by grpo.serving.server for its engine's processes: the pid they die with
 
 
+class StartupTimeout(ServerUnavailableError):
+    """The child ran but was not healthy within its start-up time-out (starting it again would wait as long)."""
+
+
 class ServerProcess:
     """`python -m grpo.serving.server ...` as a child: `cmd` without --port, `server_dir` for its log and port file."""
 
@@ -53,8 +57,8 @@ class ServerProcess:
                     return self.url
             time.sleep(0.5)
         self.kill()
-        raise ServerUnavailableError(f"grpo.serving.server not healthy after {timeout_s:.0f} s (server.startup_timeout_s); "
-                                     f"last lines of {self.log_path}:\n{self.log_tail()}")
+        raise StartupTimeout(f"grpo.serving.server not healthy after {timeout_s:.0f} s (server.startup_timeout_s); "
+                             f"last lines of {self.log_path}:\n{self.log_tail()}")
 
     def death_reason(self) -> Optional[str]:
         """Why the child is gone, with its log tail; None while it runs."""

