@@ -8,13 +8,16 @@ install:
 	@bash scripts/install.sh
 
 # The whole suite, real engines included (CI runs exactly this): the three tiers below.
+# Two workers (pytest-xdist), each taking whole test files, so a module's server fixture starts once:
+# the suite is mostly child processes waiting on each other, and two workers keep both cores busy.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The tiers (tests/conftest.py gives each test one; their times: README, "Tests").
 # quick: the objective, kernels against their torch references, configs, batching, layouts, in-process.
 test-quick: install
-	$(PY) -m pytest -m quick
+	$(PY) -m pytest -m quick -n $(TEST_WORKERS) --dist loadfile
 
 # torchrun: child processes (torchrun ranks and FSDP2 steps, the CLIs, the AOT compiler, pip's resolver).
 test-torchrun: install

@@ -40,7 +40,8 @@ from grpo.layout import LayoutError, plan_layout, visible_gpus
 from grpo.models import ModelPathError, resolve_model_path
 from grpo.rewards import RewardConfig, RewardScorer
 from grpo.serving.client import InferenceServerError
-from grpo.serving.inference import InferenceServer, ServerConfig
+from grpo.serving.fleet import ServerFleet
+from grpo.serving.inference import ServerConfig
 
 REPO_ROOT = Path(__file__).resolve().parent
 
@@ -149,15 +150,15 @@ def run(cfg: EvalRunConfig) -> dict:
           f"at T={cfg.eval.temperature}, {cfg.eval.max_tokens} tokens -> {out_dir}", file=sys.stderr)
     with RewardScorer(cfg.reward) as scorer:
         try:
-            layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.url is not None,
+            layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.attached,
                                  rank=0, local_rank=0, local_world_size=0, node_rank=0,
                                  memory_fraction=cfg.server.gpu_memory_utilization,
-                                 server_gpus=cfg.server.tensor_parallel_size)
+                                 server_gpus=cfg.server.tensor_parallel_size, replicas=cfg.server.replicas)
         except LayoutError as e:
             raise EvalError(str(e)) from None
         try:
-            server = InferenceServer.launch(model_dir, cfg.server, out_dir, gpu=layout.server_gpu,
-                                            gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
+            server = ServerFleet.launch(model_dir, cfg.server, out_dir, gpus=layout.replica_gpus or (layout.server_gpu,),
+                                        gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
         except InferenceServerError as e:
             log = out_dir / "server" / "server.log"
             raise EvalError(f"the inference server did not start: {str(e).splitlines()[0]}"

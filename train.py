@@ -57,7 +57,8 @@ from grpo.progress import Progress
 from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
-from grpo.serving.inference import InferenceServer, check_context_fits, serving_dtype
+from grpo.serving.fleet import ServerFleet
+from grpo.serving.inference import check_context_fits, serving_dtype
 from grpo.shared_prompt import use_shared_prompt_attention
 from grpo.train_config import TrainConfig
 
@@ -144,7 +145,7 @@ class Run:
     serve_dtype: torch.dtype  # what pushes and the final export are cast to (the server's dtype)
     shares_gpu_with_server: bool = False  # one GPU for this trainer and the server (grpo.layout)
     sync_every_micro_batch: bool = False  # reduce-scatter gradients after every micro-batch (optim.grad_sync)
-    server: Optional[InferenceServer] = None
+    server: Optional[ServerFleet] = None  # one inference server or several (server.replicas, server.urls)
     scorer: Optional[RewardScorer] = None
     sampler: Optional[PromptSampler] = None
     eval_problems: Optional[list] = None
@@ -170,10 +171,10 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     """Process group, models, optimizer, logger, and on rank 0 the server, scorer, sampler; with
     `resume`, the state of the newest complete checkpoint (and alpha served again)."""
     env = launch_env()
-    layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.url is not None,
+    layout = plan_layout(visible_gpus(), server_device=cfg.server.device, attached=cfg.server.attached,
                          rank=env.rank, local_rank=env.local_rank, local_world_size=env.local_world_size,
                          node_rank=env.node_rank, memory_fraction=cfg.server.gpu_memory_utilization,
-                         server_gpus=cfg.server.tensor_parallel_size)
+                         server_gpus=cfg.server.tensor_parallel_size, replicas=cfg.server.replicas)
     info = init_distributed(layout.trainer_device, cfg.parallel.timeout_s, cfg.parallel.heartbeat_timeout_s)
     cfg.log.run_name = shared_run_name(cfg)
     preflight.check_batch_split(cfg.grpo.batch_prompts, info.world_size)
@@ -248,8 +249,8 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         run.logger.truncate_after(progress.step)
     if info.is_main and not cfg.replay:
         run.scorer = RewardScorer(cfg.reward)
-        run.server = run.instruments.server = InferenceServer.launch(
-            cfg.model.path, cfg.server, run_dir, gpu=layout.server_gpu,
+        run.server = run.instruments.server = ServerFleet.launch(
+            cfg.model.path, cfg.server, run_dir, gpus=layout.replica_gpus or (layout.server_gpu,),
             gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
         on_lost_rank(run.server.stop)  # a rank ending for a lost peer leaves no server behind
     # the CPU fence's one hook (nothing off CPU): malloc, the LM head's GEMMs, cores shared with the engine

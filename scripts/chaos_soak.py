@@ -58,7 +58,7 @@ ENDS_THE_RUN = ("rank0", "rank1", "torchrun", "sigterm")  # the others: the trai
 MOMENTS = ("checkpoint", "push", "generation", "resume", "any")
 # short mode: one fault of each way the run can lose something, at the moments most likely to lose it
 SHORT_PLAN = (("rank1", "checkpoint"), ("server", "resume"), ("engine", "generation"))
-STEPS = {"short": (1, 8), "long": (2, 100)}  # (grpo.S, grpo.M); i = 2 optimizer steps per iteration
+STEPS = {"short": (1, 8), "long": (2, 50)}  # (grpo.S, grpo.M); i = 2 optimizer steps per iteration
 POLL_S = 0.01  # how often the run's files and the engine's CPU time are looked at
 TREE_EVERY_S = 0.5  # how often its process tree is walked (psutil scans every process)
 GONE_WITHIN_S = 90.0  # a killed attempt's processes, or a killed server's, must all be gone by then

@@ -51,9 +51,9 @@ def _sizes(smoke: bool) -> dict:
     """Token counts and shapes per step: the paper's on a GPU, toy ones for --smoke on the CPU."""
     if smoke:
         return dict(models=["toy"], parity_tokens=[37, 64], vocab=1001, hidden=64, bench_tokens=128,
-                    step_model="toy", step_tokens=256, step_seq=64, push_models=["toy"], payload_mb=4)
+                    step_runs=[("toy", 256, 64)], push_models=["toy"], payload_mb=4)
     return dict(models=["qwen2.5-0.5b", "r1-distill-1.5b"], parity_tokens=[1023, 2048], vocab=151936, hidden=896,
-                bench_tokens=2048, step_model="r1-distill-1.5b", step_tokens=16384, step_seq=4096,
+                bench_tokens=2048, step_runs=[("qwen2.5-0.5b", 16384, 512), ("r1-distill-1.5b", 16384, 4096)],
                 push_models=["qwen2.5-0.5b", "r1-distill-1.5b"], payload_mb=64)
 
 
@@ -262,6 +262,26 @@ def step_bench_kernels(args) -> dict:
             seconds=seconds, bytes_read=read, bytes_per_s=read / seconds,
             fraction_of_peak=(read / seconds / peak) if peak else None,
             fraction_of_copy=(read / seconds) / (2 * read / copy_s))  # a copy moves 2x the bytes
+    # The log-prob kernel's launch (KernelConfig.block_v, num_warps, rows_per_program) swept on this
+    # device, forward alone: the figures a default is chosen from.
+    launches = ([(2048, 4, 1), (2048, 8, 1)] if args.smoke else
+                [(bv, w, r) for bv in (1024, 2048, 4096, 8192) for w in (4, 8, 16) for r in (1, 2)])
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randn(n, v, device=device, dtype=dtype)
+        targets = torch.randint(0, v, (n,), device=device)
+        read = logits.numel() * logits.element_size()
+        sweep = {}
+        for bv, w, r in launches:
+            cfg = kernels.KernelConfig(backend="torch" if args.smoke else "triton", block_v=bv, num_warps=w,
+                                       rows_per_program=r)
+            sec = _timed(lambda: kernels.token_logprobs(logits, targets, 0.1, config=cfg), device,
+                         repeats=2 if args.smoke else 20)
+            sweep[f"block_v={bv},num_warps={w},rows={r}"] = read / sec
+        best = max(sweep, key=sweep.get)
+        peak = _hbm_peak(torch.cuda.get_device_properties(0).name) if device.type == "cuda" else None
+        out[f"launch_sweep_{str(dtype).split('.')[-1]}"] = dict(
+            best=best, best_fraction_of_peak=(sweep[best] / peak) if peak else None,
+            bytes_per_s={k: round(b) for k, b in sweep.items()})
     return out
 
 
@@ -291,8 +311,10 @@ def step_collectives(args) -> dict:
 
 
 def step_fsdp(args) -> dict:
-    """1-rank FSDP2 steps (bf16 mixed precision on GPU) with and without activation checkpointing at
-    the DeepScaleR config's token budget: peak memory and seconds per optimizer step."""
+    """1-rank FSDP2 steps (bf16 mixed precision on GPU) at each paper model's shape and token budget
+    (0.5B: a GSM8K batch, 16 x 200-token completions per row of 512; 1.5B: DeepScaleR's 4096-token
+    rows), plain, with activation checkpointing and with compiled decoder layers: seconds per
+    optimizer step, tokens/s, model FLOP utilisation and peak memory."""
     import torch
 
     import kernels
@@ -303,54 +325,78 @@ def step_fsdp(args) -> dict:
 
     s, device = _sizes(args.smoke), _device(args.smoke)
     init_distributed(device, timeout_s=600)
-    model_dir = Path(args.work) / "models" / s["step_model"]
     out = {}
+    peak_flops = _bf16_peak_flops(device)
     try:
-        for ac in (False, True):
-            lm = load_model(model_dir, dtype=torch.float32).to(device)
-            policy = shard_model(Policy(lm, 0.7, kernels.KernelConfig()), lm,
-                                 torch.bfloat16 if device.type == "cuda" else None, ac)
-            opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
-            b, L = s["step_tokens"] // s["step_seq"], s["step_seq"]
-            g = torch.Generator(device=device).manual_seed(0)
-            ids = torch.randint(0, lm.config.vocab_size, (b, L), device=device, generator=g)
-            prompt = L // 8  # completion = the rest of each sequence
-            index = torch.cat([torch.arange(r * L + prompt - 1, r * L + L - 1, device=device) for r in range(b)])
-            tokens = ids.reshape(-1)[index + 1]
-            n = index.numel()
-            inputs = ObjectiveInputs(-torch.rand(n, device=device, generator=g) * 3, None, None,
-                                     torch.randn(n, device=device, generator=g), torch.full((n,), 1.0 / n, device=device),
-                                     objective.ObjectiveConfig(beta=0.0))
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            times, losses = [], []
-            for _ in range(2 if args.smoke else 3):
-                _sync(device)
-                t0 = time.perf_counter()
-                o = policy(ids, index, tokens, objective=inputs)
-                o.loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                _sync(device)
-                times.append(time.perf_counter() - t0)
-                losses.append(float(o.loss))
-            peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
-            out[f"activation_checkpointing_{ac}"] = dict(tokens=b * L, seconds_per_step=min(times[1:]),
-                                                         peak_gib=peak, losses=losses)
-            del policy, opt, lm, o
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        for model_name, total, L in s["step_runs"]:
+            model_dir = Path(args.work) / "models" / model_name
+            for ac, compiled in ((False, False), (True, False), (False, True)):
+                lm = load_model(model_dir, dtype=torch.float32).to(device)
+                n_params = sum(p.numel() for p in lm.parameters())
+                policy = shard_model(Policy(lm, 0.7, kernels.KernelConfig()), lm,
+                                     torch.bfloat16 if device.type == "cuda" else None, ac, compiled)
+                opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+                b = total // L
+                g = torch.Generator(device=device).manual_seed(0)
+                ids = torch.randint(0, lm.config.vocab_size, (b, L), device=device, generator=g)
+                prompt = L // 8  # completion = the rest of each sequence
+                index = torch.cat([torch.arange(r * L + prompt - 1, r * L + L - 1, device=device) for r in range(b)])
+                tokens = ids.reshape(-1)[index + 1]
+                n = index.numel()
+                inputs = ObjectiveInputs(-torch.rand(n, device=device, generator=g) * 3, None, None,
+                                         torch.randn(n, device=device, generator=g), torch.full((n,), 1.0 / n, device=device),
+                                         objective.ObjectiveConfig(beta=0.0))
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                times, losses = [], []
+                for _ in range(2 if args.smoke else 4):  # the first step pays warm-up (and compilation)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    o = policy(ids, index, tokens, objective=inputs)
+                    o.loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+                    losses.append(float(o.loss))
+                peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else None
+                sec = min(times[1:])
+                flops = 6 * n_params * b * L  # forward + backward of every token (attention's quadratic term left out)
+                out[f"{model_name}/ac_{ac}/compiled_{compiled}"] = dict(
+                    tokens=b * L, seq_len=L, seconds_per_step=sec, first_step_s=times[0], tokens_per_s=b * L / sec,
+                    mfu=flops / sec / peak_flops if peak_flops else None, peak_gib=peak, losses=losses)
+                del policy, opt, lm, o
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                torch._dynamo.reset()
     finally:
         close_distributed()
-    # recomputing each layer in backward changes no number (same first-step loss, same update)
-    a, b = out["activation_checkpointing_False"]["losses"], out["activation_checkpointing_True"]["losses"]
-    out["ok"] = all(abs(x - y) <= 1e-3 * max(abs(x), 1e-3) for x, y in zip(a, b))
+    # recomputing each layer in backward, or compiling it, changes no number beyond bf16 rounding
+    ok = True
+    for model_name, _, _ in s["step_runs"]:
+        base = out[f"{model_name}/ac_False/compiled_False"]["losses"]
+        for key in (f"{model_name}/ac_True/compiled_False", f"{model_name}/ac_False/compiled_True"):
+            ok &= all(abs(x - y) <= 1e-2 * max(abs(x), 1e-3) for x, y in zip(base, out[key]["losses"]))
+    out["ok"] = ok
     return out
+
+
+def _bf16_peak_flops(device) -> float | None:
+    """Dense bf16 tensor-core peak (FLOP/s) by device name: the denominator of MFU."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12)):
+        if key in name:
+            return flops
+    return None
 
 
 def step_push(args) -> dict:
     """The weight push on the trainer side: gather the FSDP2 shards cast to bf16 on the device, then
-    write safetensors + manifest (sha256) under /dev/shm, as grpo.serving.inference does."""
+    write safetensors + manifest under /dev/shm, as grpo.serving.inference does, with each manifest hash."""
     import tempfile
 
     import torch
@@ -369,22 +415,33 @@ def step_push(args) -> dict:
             model_dir = Path(args.work) / "models" / name
             lm = load_model(model_dir, dtype=torch.float32).to(device)
             policy = shard_model(Policy(lm, 1.0, kernels.KernelConfig()), lm, None, False)
-            _sync(device)
-            t0 = time.perf_counter()
-            state = gather_full_state_dict(lm, dtype=torch.bfloat16)
-            t_gather = time.perf_counter() - t0
-            shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
-            with tempfile.TemporaryDirectory(dir=shm) as root:
+            gathers = []
+            for _ in range(2):  # the first gather also pays one-off allocations: both are reported
+                _sync(device)
                 t0 = time.perf_counter()
-                written = write_weights(state, model_dir, root, 1, 1, torch.bfloat16)
-                t_write = time.perf_counter() - t0
-                nbytes = sum(f.stat().st_size for f in Path(written).glob("*.safetensors"))
-            out[name] = dict(gather_cast_s=t_gather, write_hash_s=t_write, bytes=nbytes,
-                             gb_per_s=nbytes / (t_gather + t_write) / 1e9)
+                state = gather_full_state_dict(lm, dtype=torch.bfloat16)
+                gathers.append(time.perf_counter() - t0)
+            shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+            for algo in _hash_algos():
+                with tempfile.TemporaryDirectory(dir=shm) as root:
+                    t0 = time.perf_counter()
+                    written = write_weights(state, model_dir, root, 1, 1, torch.bfloat16, hash_algo=algo)
+                    t_write = time.perf_counter() - t0
+                    nbytes = sum(f.stat().st_size for f in Path(written).glob("*.safetensors"))
+                out[f"{name}/{algo}"] = dict(gather_cast_s=gathers[-1], first_gather_cast_s=gathers[0],
+                                             write_hash_s=t_write, bytes=nbytes,
+                                             seconds_per_gb=(gathers[-1] + t_write) / (nbytes / 1e9))
             del policy, lm, state
     finally:
         close_distributed()
     return out
+
+
+def _hash_algos() -> list[str]:
+    """The manifest hashes to time: the server's default (blake3, a vLLM dependency) where installed."""
+    import importlib.util
+
+    return (["blake3"] if importlib.util.find_spec("blake3") else []) + ["sha256"]
 
 
 def step_shared_prompts(args) -> dict:
@@ -470,7 +527,7 @@ STEPS = [
     ("parity", step_parity, "every Triton path vs its torch reference at V=151936, bf16 and fp32, values + grads"),
     ("bench_kernels", step_bench_kernels, "bench/kernels.py on CUDA; log-prob kernel bandwidth vs peak"),
     ("collectives", step_collectives, "all_reduce_sum/max, broadcast_json on a real 1-rank NCCL group"),
-    ("fsdp", step_fsdp, "1-rank FSDP2 bf16 steps, with and without activation checkpointing, 16384 tokens"),
+    ("fsdp", step_fsdp, "1-rank FSDP2 bf16 steps at both models' budgets: plain, activation checkpointing, compiled layers"),
     ("push", step_push, "gather + cast + write + hash of the 0.5B and 1.5B weights"),
     ("shared_prompts", step_shared_prompts, "optim.share_prompts: one GSM8K-sized group as one row vs a row each, 0.5B bf16"),
     ("engine", step_engine, "the vLLM server on the GPU: generate, score, push, fingerprint, parity; fp32 head on/off"),
@@ -484,7 +541,12 @@ def run_step(name: str, args) -> dict:
     cmd = [sys.executable, __file__, "--step", name, "--work", args.work, "--engine-model", args.engine_model,
            "--step-timeout-s", str(args.step_timeout_s)] + (["--smoke"] if args.smoke else [])
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.step_timeout_s)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.step_timeout_s)
+    except subprocess.TimeoutExpired as e:  # one slow step is recorded; the steps after it still run
+        tail = (e.stderr or b"")[-3000:]
+        return dict(status="timeout", seconds=round(time.time() - t0, 2),
+                    error=tail.decode(errors="replace") if isinstance(tail, bytes) else tail)
     seconds = round(time.time() - t0, 2)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:

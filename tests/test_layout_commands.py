@@ -104,6 +104,11 @@ def test_the_docs_hold_layout_commands():
     where = {w.split(":")[0] for w, _, _ in COMMANDS}
     assert {"README.md", "layouts.md"} <= where, where
     assert any("tensor_parallel_size=2" in c for _, c, _ in COMMANDS)  # the 6 + 2 layout is among them
+    # the fleet rows: launched replicas (of TP 1 and 2) and servers attached by URL
+    assert any("server.replicas=" in c and "tensor_parallel_size=2" in c for _, c, _ in COMMANDS)
+    assert any("server.replicas=" in c and "gsm8k" in c for _, c, _ in COMMANDS)
+    assert any("server.replicas=" in c and "deepscaler" in c for _, c, _ in COMMANDS)
+    assert sum("server.urls=" in c for _, c, _ in COMMANDS) >= 2
 
 
 @pytest.mark.parametrize("where,command,gpus", COMMANDS, ids=[w for w, _, _ in COMMANDS])

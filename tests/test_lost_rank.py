@@ -72,6 +72,7 @@ def test_a_rank_whose_heartbeat_stops_is_named_by_every_other_rank(store):
         w.stop()
 
 
+@pytest.mark.torchrun
 def test_a_dead_rank_on_this_host_is_named_within_a_beat(store):
     """A rank's process on this host that has exited is lost at the next beat, well before its
     heartbeat time-out: the pid with its start time names that process, never a later one."""

@@ -51,12 +51,55 @@ def test_gradients_stay_unsharded_only_where_they_are_a_small_share_of_the_devic
     assert 0 < device_memory_bytes(torch.device("cpu"), 2) < device_memory_bytes(torch.device("cpu"), 1)
 
 
+@pytest.mark.torchrun
 def test_payloads_of_several_mb_round_trip_on_two_ranks(tmp_path):
     proc = torchrun(2, "payload", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
     assert r0["bytes"] > 5_000_000 and r0["digest"] == r1["digest"] and r0["bytes"] == r1["bytes"]
     assert (r0["sum_rank"], r0["sum_one"], r0["max"]) == (1.0, 2.0, 10.0) == (r1["sum_rank"], r1["sum_one"], r1["max"])
+
+
+@pytest.mark.torchrun
+def test_ranks_die_with_a_killed_torchrun_agent(tmp_path):
+    """torchrun starts each rank in a session of its own, so SIGKILL of the job's process group (a
+    killed sweep, a scheduler) reached only the agent, and the ranks trained on as orphans into the
+    run directory the next attempt resumes (tests/test_sweep.py's killed sweep once found its killed
+    run finished). init_distributed ties each rank to its agent."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              WORKER, "outlive_agent", str(out)], cwd=ROOT, env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"out.pid{r}").is_file() for r in (0, 1)):
+            assert agent.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        time.sleep(0.2)  # the pid files are written whole before this reads them
+        ranks = [int((tmp_path / f"out.pid{r}").read_text()) for r in (0, 1)]
+        os.killpg(agent.pid, signal.SIGKILL)  # the job's process group: the agent, not the ranks' sessions
+        agent.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in ranks), "a rank outlived its torchrun agent"
+    finally:
+        for pid in (int(p.read_text()) for p in tmp_path.glob("out.pid*") if p.read_text()):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """pid runs and is not a zombie awaiting its (dead) parent's reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.torchrun
@@ -182,6 +225,102 @@ def test_impossible_layouts_are_refused_naming_the_keys(visible, kw, message):
     kw = {"server_device": "auto", "attached": False, "node_rank": 0, "rank": 0, "local_rank": 0, **kw}
     with pytest.raises(LayoutError, match=message):
         plan_layout(visible, **kw)
+
+
+V16 = [str(i) for i in range(16)]
+
+
+@pytest.mark.parametrize("case,visible,kw,trainer_gpus,replica_gpus", [
+    # server.replicas x server.tensor_parallel_size on one 8-GPU node: R*T consecutive GPUs serve, the rest train
+    ("8: 4 trainers + 4 servers", V8, dict(local_world_size=4, replicas=4), [4, 5, 6, 7], ("0", "1", "2", "3")),
+    ("8: 4 trainers + 2 servers of TP 2", V8, dict(local_world_size=4, replicas=2, server_gpus=2), [4, 5, 6, 7],
+     ("0,1", "2,3")),
+    ("8: 6 trainers + 2 servers", V8, dict(local_world_size=6, replicas=2), [2, 3, 4, 5, 6, 7], ("0", "1")),
+    ("8: 2 servers from GPU 6", V8, dict(local_world_size=6, replicas=2, server_device="6"), [0, 1, 2, 3, 4, 5],
+     ("6", "7")),
+    ("8: one replica is today's server", V8, dict(local_world_size=6, replicas=1, server_gpus=2),
+     [2, 3, 4, 5, 6, 7], ("0,1",)),
+    ("CVD 2,3,5,7: 2 servers", ["2", "3", "5", "7"], dict(local_world_size=2, replicas=2), [5, 7], ("2", "3")),
+    # 16 GPUs on one node
+    ("16: 8 trainers + 8 servers", V16, dict(local_world_size=8, replicas=8), list(range(8, 16)),
+     tuple(str(i) for i in range(8))),
+    ("16: 8 trainers + 4 servers of TP 2", V16, dict(local_world_size=8, replicas=4, server_gpus=2),
+     list(range(8, 16)), ("0,1", "2,3", "4,5", "6,7")),
+    ("16: 12 trainers + 2 servers of TP 2", V16, dict(local_world_size=12, replicas=2, server_gpus=2),
+     list(range(4, 16)), ("0,1", "2,3")),
+    ("16: 8 trainers + 2 servers of TP 4", V16, dict(local_world_size=8, replicas=2, server_gpus=4),
+     list(range(8, 16)), ("0,1,2,3", "4,5,6,7")),
+    # two 8-GPU nodes: the fleet lives on the node holding rank 0; the other node trains on all 8
+    ("2 nodes, node 1", V8, dict(local_world_size=8, replicas=4, node_rank=1), list(range(8)), ()),
+    # eval.py: the servers alone
+    ("eval, 2 servers of TP 2", V8, dict(local_world_size=0, replicas=2, server_gpus=2), [], ("0,1", "2,3")),
+])
+def test_fleet_layouts(case, visible, kw, trainer_gpus, replica_gpus):
+    """Every local rank of the node: which GPU it trains on; rank 0 also gets each replica's
+    CUDA_VISIBLE_DEVICES (replica r: GPUs [start + r*T, start + (r+1)*T)). GPUs as CUDA_VISIBLE_DEVICES names them."""
+    kw = {"server_device": "auto", "attached": False, "node_rank": 0, **kw}
+    ranks = range(max(kw["local_world_size"], 1))
+    layouts = [plan_layout(visible, rank=r + 8 * kw["node_rank"], local_rank=r, **kw) for r in ranks]
+    if kw["local_world_size"]:
+        assert [int(visible[int(x.trainer_device.split(":")[1])]) for x in layouts] == trainer_gpus, case
+        assert {visible[int(x.trainer_device.split(":")[1])] for x in layouts}.isdisjoint(
+            g for gpus in replica_gpus for g in gpus.split(",")), case
+    assert layouts[0].replica_gpus == replica_gpus, case
+    assert all(x.replica_gpus == () for x in layouts[1:]), case  # only rank 0 launches
+    if replica_gpus:
+        assert layouts[0].server_gpu == ",".join(replica_gpus) and not layouts[0].shares_gpu
+
+
+@pytest.mark.parametrize("visible,kw,message", [
+    (V8, dict(local_world_size=5, replicas=4),
+     r"^torchrun --nproc_per_node=5 trainers plus 4 inference servers need 9 GPUs, 8 are visible .*server.replicas x "
+     r"server.tensor_parallel_size = 4 x 1\): use --nproc_per_node=4, or server.url .*fewer server.replicas"),
+    (V8, dict(local_world_size=4, replicas=3, server_gpus=2), r"4 trainers plus 3 inference servers need 10 GPUs"),
+    (V16, dict(local_world_size=4, replicas=5, server_gpus=4),
+     r"^server.replicas x server.tensor_parallel_size: 5 x 4 GPUs from server.device=0 on need 20 visible GPUs, 16"),
+    (V8, dict(local_world_size=2, replicas=2, server_gpus=2, server_device="6"),
+     r"2 x 2 GPUs from server.device=6 on need 10 visible GPUs"),
+    ([], dict(local_world_size=1, replicas=2),
+     r"^server.replicas: 2 CPU engines on this machine would share its cores .*use server.replicas=1, or server.urls"),
+    (V8, dict(local_world_size=8, replicas=2, server_device="cpu"), r"^server.replicas: 2 with server.device=cpu"),
+    (["0"], dict(local_world_size=1, replicas=2), r"2 x 1 GPUs from server.device=0 on need 2 visible GPUs, 1"),
+    (V8, dict(local_world_size=8, replicas=2, attached=True), r"^server.replicas: 2 launches local servers, "
+                                                                r"server.url/urls attach"),
+    (V8, dict(local_world_size=4, replicas=0), r"^server.replicas: must be >= 1"),
+])
+def test_impossible_fleets_are_refused_naming_the_keys(visible, kw, message):
+    kw = {"server_device": "auto", "attached": False, "node_rank": 0, "rank": 0, "local_rank": 0, **kw}
+    with pytest.raises(LayoutError, match=message) as e:
+        plan_layout(visible, **kw)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(url="http://a:1", urls=["http://b:1"], push_mode="bytes"), r"^urls: set url or urls, not both \(url is the one-server"),
+    (dict(urls=["http://a:1", "ftp://b"], push_mode="bytes"), r"^urls\[1\]: must start with http:// or https://"),
+    (dict(urls=["http://a:1", "http://a:1"], push_mode="bytes"), r"^urls: lists a server twice"),
+    (dict(urls=[], push_mode="bytes"), r"^urls: an empty list attaches to no server"),
+    (dict(urls=["http://a:1", "http://b:1"]), r"^push_mode: servers attached by urls take bytes pushes"),
+    (dict(urls=["http://a:1"], push_mode="bytes", replicas=2), r"^replicas: 2 launches local servers, but urls "
+                                                               r"attaches to servers elsewhere: set one of replicas and urls"),
+    (dict(url="http://a:1", push_mode="bytes", replicas=2), r"^replicas: 2 launches local servers, but url attaches"),
+    (dict(replicas=0), r"^replicas: must be an integer >= 1, got 0"),
+])
+def test_contradictory_fleet_settings_are_refused_naming_the_keys(kw, message):
+    from grpo.serving.inference import ServerConfig
+
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(**kw)
+
+
+def test_url_is_the_one_server_case_of_urls():
+    from grpo.serving.inference import ServerConfig
+
+    one, two = ServerConfig(url="http://a:1", push_mode="bytes"), ServerConfig(urls=["http://a:1", "http://b:2"],
+                                                                               push_mode="bytes")
+    assert (one.attached, one.attached_urls) == (True, ["http://a:1"])
+    assert (two.attached, two.attached_urls) == (True, ["http://a:1", "http://b:2"])
+    assert (ServerConfig().attached, ServerConfig().attached_urls, ServerConfig(replicas=4).attached) == (False, [], False)
 
 
 @pytest.mark.parametrize("visible,kw,server_on_cpu", [

@@ -100,6 +100,20 @@ def test_train_check_without_the_hub_names_the_data_in_one_line(no_hub, capsys):
     (["--nproc-per-node", "8"], "FAIL  layout: torchrun --nproc_per_node=8 trainers plus the inference server need "
                                 "9 GPUs"),
     (["--nnodes", "2", "--nproc-per-node", "7"], "ok    batch: 28 prompts over 14 trainer ranks"),
+    # a fleet (server.replicas): each engine's GPUs, then the trainers on the rest
+    (["--nproc-per-node", "4", "server.replicas=4"],
+     "ok    layout: 8 GPUs (--gpus 8): 4 vLLM servers (a fleet) on GPU 0 | GPU 1 | GPU 2 | GPU 3 (tensor_parallel_size "
+     "1, gpu_memory_utilization 0.85 each); trainer ranks 0..3 on GPUs 4..7: torchrun --nproc_per_node=4 train.py"),
+    (["server.replicas=2", "server.tensor_parallel_size=2"],
+     "ok    layout: 8 GPUs (--gpus 8): 2 vLLM servers (a fleet) on GPUs 0,1 | GPUs 2,3 (tensor_parallel_size 2, "
+     "gpu_memory_utilization 0.85 each); trainer ranks 0..3 on GPUs 4..7: torchrun --nproc_per_node=4 train.py"),
+    (["--nproc-per-node", "5", "server.replicas=4"],
+     "FAIL  layout: torchrun --nproc_per_node=5 trainers plus 4 inference servers need 9 GPUs, 8 are visible"),
+    (['server.urls=["http://a:1","http://b:2"]', "server.push_mode=bytes"],
+     "ok    layout: 8 GPUs (--gpus 8): 2 servers attached at http://a:1, http://b:2 (a fleet); trainer ranks 0..7 on "
+     "GPUs 0..7: torchrun --nproc_per_node=8 train.py"),
+    (['server.urls=["http://a:1"]', "server.replicas=2", "server.push_mode=bytes"],
+     "FAIL  config: "),
 ])
 def test_train_check_plans_the_layout_it_is_given(args, expected, no_hub, capsys):
     code, lines = run_check("train", ["--check", "--gpus", "8", "--config", PAPER, *args], capsys)

@@ -568,6 +568,7 @@ def test_a_server_whose_engine_dies_while_it_starts_exits_at_once(tiny, tmp_path
     chaos soak's resumed run, its engine killed as its server came up, hung there)."""
     import psutil
 
+    from grpo.cpu.serving import KV_CACHE_ENV
     from grpo.serving.server import ENGINE_DIED_EXIT, TOKEN_ENV
 
     up = tmp_path / "engine_up"
@@ -575,7 +576,9 @@ def test_a_server_whose_engine_dies_while_it_starts_exits_at_once(tiny, tmp_path
     cmd = [sys.executable, os.path.join(root, "tests", "serving_starts_late.py"), "--model", str(tiny["model_dir"]),
            "--weights-root", str(tmp_path / "weights"), "--port-file", str(tmp_path / "port"), "--dtype", "float32",
            "--max-model-len", "256", "--enforce-eager"]
-    env = {**os.environ, TOKEN_ENV: "t" * 32, "ENGINE_UP_FILE": str(up), "PYTHONPATH": root}
+    # a 1 GiB KV cache, as every CPU server the trainer launches has (grpo.cpu.serving.engine_env): without
+    # it vLLM asks for 85% of the machine's memory, and failed to start beside another worker's engine
+    env = {**os.environ, TOKEN_ENV: "t" * 32, "ENGINE_UP_FILE": str(up), "PYTHONPATH": root, KV_CACHE_ENV: "1"}
     with open(tmp_path / "server.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

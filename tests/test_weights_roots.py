@@ -7,11 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from grpo.serving.inference import _private_root
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.torchrun
 def test_a_root_whose_owner_is_gone_is_reclaimed_when_the_next_is_made(tmp_path):
     parent = tmp_path / "shm"
     # a run's root, made by a process that then died without cleaning up (as a SIGKILLed trainer leaves it)

@@ -33,6 +33,14 @@ def parse_cpu_list(text: str) -> list[int]:
     return cores
 
 
+def bind_cores(text: Optional[str]) -> Optional[list[int]]:
+    """The cores a bind value names ('0-1', '2,3'), or None for vLLM's other forms ('auto', 'nobind',
+    several ranks joined by '|'): those are left to the platform as they are."""
+    if not text or not all(part.replace("-", "").isdigit() for part in text.split(",")):
+        return None
+    return parse_cpu_list(text)
+
+
 def engine_cores(requested: Optional[str], usable: Optional[list[int]] = None) -> str:
     """The cores a launched CPU engine binds its OpenMP threads to (`cpu.engine_cores`, else chosen):
     with >= 4 usable cores the upper half (the trainer keeps the lower half), with fewer all of them,

@@ -13,24 +13,15 @@ per core. GPU engines keep the executor vLLM chooses.
 The methods a CPU engine adds to vLLM's worker are in grpo/cpu/worker.py.
 """
 import os
-from typing import Optional
 
 from vllm.platforms import current_platform
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-from grpo.cpu.cores import parse_cpu_list
+from grpo.cpu.cores import bind_cores
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # what grpo.serving.server passes as --distributed-executor-backend to a CPU engine
 EXECUTOR = "grpo.cpu.engine.InProcessExecutor"
-
-
-def bind_cores(text: Optional[str]) -> Optional[list[int]]:
-    """The cores a bind value names ('0-1', '2,3'), or None for vLLM's other forms ('auto', 'nobind',
-    several ranks joined by '|'): those are left to the platform as they are."""
-    if not text or not all(part.replace("-", "").isdigit() for part in text.split(",")):
-        return None
-    return parse_cpu_list(text)
 
 
 def restrict_process(cores: list[int]) -> None:

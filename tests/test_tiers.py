@@ -1,0 +1,55 @@
+"""The quick tier (`make test-quick`) stays in-process: a test that starts a Python child process
+(torchrun ranks, a script under `sys.executable`) pays an interpreter and torch import per child and
+belongs in the torchrun tier, as tests/conftest.py defines it. Checked from the test files' source,
+so a new test is placed right before anyone times the tiers."""
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _markers(node: ast.FunctionDef) -> set[str]:
+    return {ast.unparse(d).split("(")[0].split(".")[-1] for d in node.decorator_list}
+
+
+def _module_markers(tree: ast.Module) -> set[str]:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            return {part.split(".")[-1] for part in ast.unparse(node.value).replace("[", " ").replace("]", " ")
+                    .replace(",", " ").split()}
+    return set()
+
+
+def _starts_python(call: ast.Call) -> bool:
+    """torchrun(...), or a command list that begins with sys.executable (subprocess.run, Popen)."""
+    if isinstance(call.func, ast.Name) and call.func.id == "torchrun":
+        return True
+    return any(isinstance(a, ast.List) and a.elts and ast.unparse(a.elts[0]) == "sys.executable" for a in call.args)
+
+
+def quick_tests_starting_python(files) -> list[str]:
+    found = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        module = _module_markers(tree)
+        for node in tree.body:
+            if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
+                continue
+            if (_markers(node) | module) & {"torchrun", "vllm"}:
+                continue
+            if any(_starts_python(call) for call in ast.walk(node) if isinstance(call, ast.Call)):
+                found.append(f"{path.name}::{node.name}")
+    return found
+
+
+def test_no_quick_test_starts_a_python_child_process():
+    assert quick_tests_starting_python(sorted(TESTS.glob("test_*.py"))) == []
+
+
+def test_the_check_finds_an_unmarked_child_process(tmp_path):
+    f = tmp_path / "test_example.py"
+    f.write_text("import sys, subprocess, pytest\n"
+                 "def test_unmarked():\n    subprocess.run([sys.executable, '-c', 'pass'])\n"
+                 "@pytest.mark.torchrun\ndef test_marked():\n    subprocess.run([sys.executable, '-c', 'pass'])\n"
+                 "def test_in_process():\n    assert sys.version\n")
+    assert quick_tests_starting_python([f]) == ["test_example.py::test_unmarked"]
