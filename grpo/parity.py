@@ -44,7 +44,7 @@ class ParityConfig:
 
     sequences: int = 4  # probe sequences, drawn once from the run's first batch (0: no probe)
     max_tokens: int = 64  # completion tokens scored per probe sequence (its first ones)
-    every: int = 1  # probe after every n-th push (the engine scores one request per probe token)
+    every: int = 1  # probe after every n-th push (the engine scores a request per probe sequence at T = 1, else per token)
     threshold: float = 0.1  # |log pi_trainer - log pi_engine| above which a token counts in parity_frac_over
     warn_kl: float = 1e-2  # one warning line when parity_kl (per token) exceeds this (bf16 engines sit near 1e-3)
 

@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,11 +167,25 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def prune_checkpoints(run_dir: Path, checkpoint) -> None:
+    """Delete a finished run's checkpoints (its final/ export, metrics and logs stay): a long sweep of
+    fp32 runs on a small disk (~2 GB a checkpoint of SmolLM2 with AdamW and pi_ref). Only a
+    directory inside the run's own (a checkpoint.dir elsewhere may hold other runs' too)."""
+    from grpo.checkpoint import Checkpointer
+
+    directory = Checkpointer(checkpoint, run_dir).dir
+    inside = directory.resolve().is_relative_to(run_dir.resolve())
+    if inside and (run_dir / "final").is_dir() and directory.is_dir():
+        shutil.rmtree(directory)
+
+
 def execute(args, run: RunSpec, checkpoint, sweep_dir: Path, index: int, total: int) -> bool:
     run_dir = sweep_dir / run.name
     status = state(run_dir, checkpoint)
     if status == "done":
         print(f"[sweep] {index}/{total} {run.name}: done, skipped", flush=True)
+        if args.prune_checkpoints:
+            prune_checkpoints(run_dir, checkpoint)
         return True
     if status == "stale":
         print(f"[sweep] {index}/{total} {run.name}: no complete checkpoint, kept as {move_aside(run_dir).name}",
@@ -189,6 +204,8 @@ def execute(args, run: RunSpec, checkpoint, sweep_dir: Path, index: int, total: 
     seconds = time.monotonic() - t0
     ok = code == 0 and state(run_dir, checkpoint) == "done"
     record_attempt(sweep_dir, run, seconds, code)
+    if ok and args.prune_checkpoints:
+        prune_checkpoints(run_dir, checkpoint)
     print(f"[sweep] {index}/{total} {run.name}: {'finished' if ok else f'FAILED (exit {code})'} "
           f"in {seconds:.0f} s", flush=True)
     return ok
@@ -229,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", help="sweep name (default: the config's file name)")
     ap.add_argument("--out-dir", default="runs/sweeps", help="sweeps go to OUT_DIR/NAME/ (default runs/sweeps)")
     ap.add_argument("--nproc-per-node", type=int, default=1, help="torchrun processes per run (default 1)")
+    ap.add_argument("--prune-checkpoints", action="store_true",
+                    help="delete a run's checkpoints once it has finished (its final/ export and metrics stay)")
     ap.add_argument("--print", action="store_true", help="print one command per run instead of running them")
     ap.add_argument("--only", nargs="+", metavar="RUN", help="run only these runs (e.g. v10-i1-s2): one node of a "
                     "cluster job, with the same skip/resume logic")

@@ -27,7 +27,7 @@ def recorded(tmp_path):
     for k in range(3):
         record_batch(run, 0, k, 100 + k, rollout_of(cfg, reward=lambda j: float((j + k) % 2), seed=100 + k), made_with)
     (run / "config.yaml").write_text(f"model:\n  path: {model}\n  dtype: float32\ngrpo:\n  G: 4\n  batch_prompts: 2\n"
-                                     f"  max_new_tokens: 8\nkernels:\n  backend: torch\n")
+                                     f"  max_new_tokens: 8\noptim:\n  lr: 1.0e-2\nkernels:\n  backend: torch\n")
     return run
 
 
@@ -56,3 +56,18 @@ def test_a_run_that_recorded_nothing_is_one_line(tmp_path, capsys):
     assert compare_objectives.main(["--run", str(tmp_path), "--objective", "grpo"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("compare_objectives: ") and "log.save_rollouts" in err and "\n" not in err
+
+
+def test_follow_compares_each_batch_where_the_run_had_moved(recorded):
+    """--follow: the first batch is compared at the starting parameters (the same rows as without
+    it), the later ones after the run's own updates (other numbers); rows carry the lag and the
+    run objective's gradient norms (v = 1, i = 1: lag 0, one norm per batch)."""
+    args = ["--run", str(recorded), "--objective", "grpo", "--objective", "reinforce: objective.loss=reinforce"]
+    assert compare_objectives.main([*args, "--out", str(recorded / "still")]) == 0
+    assert compare_objectives.main([*args, "--out", str(recorded / "moving"), "--follow"]) == 0
+    read = lambda d: [json.loads(line) for line in (recorded / d / "compare.jsonl").read_text().splitlines()]  # noqa: E731
+    still, moving = read("still"), read("moving")
+    assert [r["alpha_lag_steps"] for r in moving] == [0] * 6 and all(len(r["run_grad_norms"]) == 1 for r in moving)
+    assert [r["grad_norm"] for r in moving[:2]] == pytest.approx([r["grad_norm"] for r in still[:2]], rel=1e-6)
+    assert moving[0]["run_grad_norms"][0] > 0  # the run's step had a gradient: the parameters moved
+    assert all(abs(m["grad_norm"] - s["grad_norm"]) > 1e-6 * s["grad_norm"] for m, s in zip(moving[2:], still[2:]))

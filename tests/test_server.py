@@ -163,6 +163,32 @@ def test_score_gives_the_log_probs_the_sampler_gave_its_samples(server, tiny):
 
 
 @pytest.mark.vllm
+def test_score_at_t1_takes_a_request_per_sequence_with_the_per_token_figures(server, tiny):
+    """At T = 1 without top-k/top-p the engine scores a sequence per request (its prompt log-probs);
+    the numbers are those the sampler gave the samples and those of the request-per-token path
+    (reached here with top_k = the vocabulary: every token kept, the same quantity), and so are the
+    parity probe's figures computed from them."""
+    from grpo.parity import parity_stats
+
+    _push_next(server, tiny["hf"].state_dict())
+    pairs, sampled = _sampled_pairs(server, tiny, 1.0)
+    fast = server.score(pairs, temperature=1.0)
+    per_token = server.score(pairs, temperature=1.0, top_k=tiny["hf"].config.vocab_size)
+    tokens = sum(len(c) for _, c in pairs)
+    assert (fast.engine_requests, per_token.engine_requests) == (len(pairs), tokens)
+    assert fast.weights_version == per_token.weights_version
+    diff = _max_abs_diff(fast.logprobs, per_token.logprobs)
+    print(f"max |per sequence - per token| at T=1: {diff:.3g} over {tokens} tokens")
+    assert diff <= SCORE_ATOL and _max_abs_diff(fast.logprobs, sampled) <= SCORE_ATOL
+    # a trainer some way off (0 to 0.12 per token): every statistic moves, some tokens pass the threshold
+    trainer = [[x + 0.03 * (j % 5) for j, x in enumerate(s.tolist())] for s in _hf_scores(tiny["hf"], pairs, 1.0)]
+    ours, theirs = parity_stats(fast.logprobs, trainer, 0.1), parity_stats(per_token.logprobs, trainer, 0.1)
+    assert ours.keys() == theirs.keys() and all(abs(ours[k] - theirs[k]) <= 1e-4 for k in ours), (ours, theirs)
+    long = ([3] * 249, [7] * 7)  # 256 tokens: the last one scored by the sampler, the rest fit as a prompt
+    assert [len(s) for s in server.score([long], temperature=1.0).logprobs] == [7]
+
+
+@pytest.mark.vllm
 def test_score_follows_the_pushed_weights(server, tiny):
     """The same completions scored before and after a push of perturbed weights: the numbers are
     the new weights' (HF with them) and far from the old ones, and the reply names the new version."""

@@ -207,3 +207,21 @@ def test_a_run_whose_checkpoints_live_elsewhere_is_resumed_not_moved_aside(tmp_p
     assert sweep.state(run_dir, config) == "resume"
     assert sweep.state(run_dir, CheckpointConfig()) == "stale"  # the default place holds nothing
     assert sweep.state(tmp_path / "sw" / "b-s0", CheckpointConfig()) == "new"
+
+
+def test_pruning_deletes_a_finished_runs_own_checkpoints_only(tmp_path):
+    """--prune-checkpoints: a run with its final/ export loses its checkpoints directory; a run not
+    finished, and a checkpoint.dir outside the run (other runs' checkpoints may live there), keep theirs."""
+    from grpo.checkpoint import CheckpointConfig
+
+    done, running = tmp_path / "sw" / "a-s0", tmp_path / "sw" / "b-s0"
+    for run in done, running:
+        (run / "checkpoints" / "step_5").mkdir(parents=True)
+    (done / "final").mkdir()
+    elsewhere = tmp_path / "scratch"
+    (elsewhere / "step_5").mkdir(parents=True)
+    sweep.prune_checkpoints(done, CheckpointConfig(dir=str(elsewhere)))
+    sweep.prune_checkpoints(running, CheckpointConfig())
+    assert (elsewhere / "step_5").is_dir() and (running / "checkpoints" / "step_5").is_dir()
+    sweep.prune_checkpoints(done, CheckpointConfig())
+    assert not (done / "checkpoints").exists() and (done / "final").is_dir()

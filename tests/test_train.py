@@ -190,6 +190,25 @@ def test_a_replay_under_another_objective_needs_no_server(model_dir, two_rank_ru
     assert [r["loss"] for r in rows] != [r["loss"] for r in live]  # another objective on them
 
 
+def test_compare_objectives_follow_walks_the_recorded_runs_own_parameters(two_rank_run, tmp_path):
+    """scripts/compare_objectives.py --follow moves the parameters along the run's own updates (its
+    config: exact anchor, i = 2, beta with pi_ref swapped at the stage boundary, AdamW): the gradient
+    norms it takes on the way are the ones the 2-rank run logged, step for step (to the order of
+    float sums: one process against two ranks' all-reduce), and each batch carries its lag."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import compare_objectives
+
+    out = tmp_path / "cmp"
+    assert compare_objectives.main(["--run", str(two_rank_run), "--follow", "--out", str(out), "--objective", "grpo",
+                                    "--objective", "cispo: objective.loss=cispo"]) == 0
+    rows = [json.loads(line) for line in (out / "compare.jsonl").read_text().splitlines()]
+    live = [r for r in read_rows(two_rank_run) if "loss" in r]
+    followed = [n for r in rows if r["objective"] == "grpo" for n in r["run_grad_norms"]]
+    assert any(n > 0 for n in followed), "no learning signal: the parameters would not move"
+    assert followed == pytest.approx([r["grad_norm"] for r in live], rel=1e-3)
+    assert [r["alpha_lag_steps"] for r in rows if r["objective"] == "grpo"] == [0, 2, 0, 2]  # v = 2, i = 2
+
+
 def test_reference_swapped_at_stage_boundary(two_rank_run):
     rows = [r for r in read_rows(two_rank_run) if "loss" in r]
     # The policy moved during stage 0 (a nonzero advantage reached it), so KL(pi || pi_ref) > 0 at

@@ -53,6 +53,7 @@ class ScoreResult:
     # as the engine computes a sampled token's log-prob; -inf where c_t is outside the kept top-k/top-p set
     logprobs: list[list[float]]
     weights_version: int  # the pushed version that produced every number here
+    engine_requests: int  # requests the engine ran: one per sequence at T = 1 unfiltered, else one per token
 
 
 class InferenceServerError(RuntimeError):
@@ -165,7 +166,8 @@ class InferenceClient:
         # JSON has no -inf: the server sends null for a token outside the kept top-k/top-p set
         return ScoreResult(logprobs=[[float("-inf") if x is None else float(x) for x in per_sequence]
                                      for per_sequence in out["logprobs"]],
-                           weights_version=int(out["weights_version"]))
+                           weights_version=int(out["weights_version"]),
+                           engine_requests=int(out["engine_requests"]))
 
     def push_weights(self, weights_dir: Path, version: int, mode: str = "path") -> dict:
         """Make the server serve `weights_dir` (from write_weights) as `version`: {version, seconds,

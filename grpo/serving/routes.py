@@ -100,6 +100,19 @@ def scored_logprob(final, token: int) -> Optional[float]:
     raise RuntimeError(f"the engine returned no log-prob for token {token} (got ids {lp.token_ids[start:end]})")
 
 
+def prompt_logprobs(final, start: int, tokens: list[int]) -> list[float]:
+    """The log-probs of `tokens`, the prompt's positions start, start + 1, ..., in a finished request
+    that asked for prompt_logprobs=0 (each position holds the prompt's own token first)."""
+    lp = final.prompt_logprobs  # FlatLogprobs; position 0 (no context) is empty
+    out = []
+    for p, token in enumerate(tokens, start):
+        i = lp.start_indices[p]
+        if lp.token_ids[i] != token:
+            raise RuntimeError(f"the engine's prompt log-prob at position {p} is for token {lp.token_ids[i]}, not {token}")
+        out.append(lp.logprobs[i])
+    return out
+
+
 async def drain(queue):
     """The final output of a request added with engine.add_request."""
     from vllm.outputs import STREAM_FINISHED
@@ -283,11 +296,14 @@ class Routes:
     async def score(self, req: ScoreRequest, request: Request):
         """log alpha(c_t | prompt, c_<t) for every completion token c_t, as the engine's sampler
         computes it for a token it samples: log softmax(logits / T) after top-k/top-p (-inf, sent
-        as null, outside the kept set; T = 0: the plain log-softmax). The sampler is the only place
-        that applies T, top-k and top-p (prompt_logprobs are raw log-softmax), so each position is
-        one request: prompt + c_<t with max_tokens=1, asking for c_t's log-prob by
-        logprob_token_ids. The token it samples there is thrown away. Prefix caching shares the
-        sequence's common prefix between its requests."""
+        as null, outside the kept set; T = 0: the plain log-softmax). The reply's engine_requests
+        says how many requests the engine ran for it.
+
+        At T = 1 without top-k/top-p the sampler's processing is the identity (a division by 1 is
+        exact, nothing is filtered), so its log-probs are the model's log-softmax, which the engine
+        gives for every prompt position of one request: a sequence per request (`whole_sequence`).
+        Otherwise the sampler is the only place that applies T, top-k and top-p (prompt_logprobs
+        are raw log-softmax), so each position is one request (`one_position`)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -305,32 +321,50 @@ class Routes:
         except ValueError as e:
             return error(400, str(e))
         base = uuid.uuid4().hex
+        per_sequence = req.temperature == 1.0 and req.top_p == 1.0 and req.top_k <= 0
 
-        async def one(i: int, t: int) -> Optional[float]:
+        async def finished(key: str, prompt: list[int], params):
+            final = None
+            async for out in self.engine.generate({"prompt_token_ids": prompt}, params, f"grpo-score-{base}-{key}"):
+                final = out
+            return final
+
+        async def one_position(i: int, t: int) -> Optional[float]:
+            """prompt + c_<t with max_tokens=1, asking for c_t's log-prob by logprob_token_ids (the
+            token it samples is thrown away; prefix caching shares the sequence's prefix)."""
             seq = req.sequences[i]
             token = seq.completion_token_ids[t]
-            params = SamplingParams(**common, logprob_token_ids=[token])
-            final = None
-            async for out in self.engine.generate(
-                    {"prompt_token_ids": seq.prompt_token_ids + seq.completion_token_ids[:t]}, params,
-                    f"grpo-score-{base}-{i}-{t}"):
-                final = out
+            final = await finished(f"{i}-{t}", seq.prompt_token_ids + seq.completion_token_ids[:t],
+                                   SamplingParams(**common, logprob_token_ids=[token]))
             return scored_logprob(final, token)
+
+        async def whole_sequence(i: int) -> list[Optional[float]]:
+            """prompt + c_<last> as the prompt: c_1..c_<last> from its prompt log-probs, the last
+            token from the sampler's position after it (so a sequence that fills max_model_len fits)."""
+            seq = req.sequences[i]
+            *head, last = seq.completion_token_ids
+            final = await finished(str(i), seq.prompt_token_ids + head,
+                                   SamplingParams(**common, logprob_token_ids=[last], prompt_logprobs=0))
+            return prompt_logprobs(final, len(seq.prompt_token_ids), head) + [scored_logprob(final, last)]
 
         async def every_position():
             await self.control.use(None)  # all of a CPU engine's threads, as an unsplit generate batch
-            # every position of every sequence at once: the scheduler batches them
-            return await asyncio.gather(*(one(i, t) for i, seq in enumerate(req.sequences)
+            # every request at once: the scheduler batches them
+            if per_sequence:
+                return await asyncio.gather(*(whole_sequence(i) for i in range(len(req.sequences))))
+            flat = await asyncio.gather(*(one_position(i, t) for i, seq in enumerate(req.sequences)
                                           for t in range(len(seq.completion_token_ids))))
+            out, k = [], 0
+            for seq in req.sequences:
+                out.append(flat[k:k + len(seq.completion_token_ids)])
+                k += len(seq.completion_token_ids)
+            return out
 
-        version, flat = await self.on_one_version(every_position, request)
-        if isinstance(flat, JSONResponse):
-            return flat
-        logprobs, k = [], 0
-        for seq in req.sequences:
-            logprobs.append(flat[k:k + len(seq.completion_token_ids)])
-            k += len(seq.completion_token_ids)
-        return {"logprobs": logprobs, "weights_version": version}
+        version, logprobs = await self.on_one_version(every_position, request)
+        if isinstance(logprobs, JSONResponse):
+            return logprobs
+        requests = len(req.sequences) if per_sequence else sum(len(s.completion_token_ids) for s in req.sequences)
+        return {"logprobs": logprobs, "weights_version": version, "engine_requests": requests}
 
     # -- weight pushes
     async def push_path(self, req: PushRequest):
