@@ -1,6 +1,8 @@
-"""grpo.serving.server with a pause between its engine coming up and its HTTP server starting: the
-window in which the chaos soak killed an engine (tests/test_server.py). Writes ENGINE_UP_FILE
-(an environment variable naming a path) when the engine is up, then waits PAUSE_S before serving.
+"""grpo.serving.server with a pause after its engine came up, held open for a test to kill the
+engine there (tests/test_server.py): the windows in which the chaos soak killed one. Writes
+ENGINE_UP_FILE (an environment variable naming a path) when the engine is up, then waits PAUSE_S.
+PAUSE_AT says where: "http" (default), before the HTTP server starts; "client", inside the building
+of vLLM's engine client, before its one call to the engine there (reset_mm_cache).
 
     python tests/serving_starts_late.py <grpo.serving.server arguments>
 """
@@ -25,6 +27,19 @@ async def serve_http_late(*args, **kwargs):
     return await serve_http(*args, **kwargs)
 
 
+def reset_mm_cache_late(original):
+    async def late(self):
+        Path(os.environ["ENGINE_UP_FILE"]).write_text(str(os.getpid()))
+        await asyncio.sleep(PAUSE_S)
+        return await original(self)
+    return late
+
+
 if __name__ == "__main__":  # not in the engine's processes, which import this module as they start
-    launcher.serve_http = serve_http_late  # server.serve imports it from the module when it runs
+    if os.environ.get("PAUSE_AT", "http") == "client":
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        AsyncLLM.reset_mm_cache = reset_mm_cache_late(AsyncLLM.reset_mm_cache)
+    else:
+        launcher.serve_http = serve_http_late  # server.serve imports it from the module when it runs
     server.main()

@@ -559,13 +559,16 @@ def test_killed_server_gives_clear_error_and_generate_restarts_it(server, tiny):
 
 
 @pytest.mark.vllm
-def test_a_server_whose_engine_dies_while_it_starts_exits_at_once(tiny, tmp_path):
-    """The vLLM engine-core process SIGKILLed after the engine came up and before the HTTP server
-    started (tests/serving_starts_late.py holds that window open 20 s): the server exits within
-    seconds, with its own code and line, so its supervisor starts it again. Before, vLLM's own
-    shutdown on engine death covered only a running HTTP server: this one went on to serve, answering
-    503 "engine is dead", and the trainer waited for its health until server.startup_timeout_s (the
-    chaos soak's resumed run, its engine killed as its server came up, hung there)."""
+@pytest.mark.parametrize("pause_at", ["http", "client"])
+def test_a_server_whose_engine_dies_while_it_starts_exits_at_once(tiny, tmp_path, pause_at):
+    """The vLLM engine-core process SIGKILLed after the engine came up (tests/serving_starts_late.py
+    holds the window open 20 s): the server exits within seconds, with its own code and line, so its
+    supervisor starts it again. The chaos soak found both windows, its engine killed as its server
+    came up, and the trainer waited for the server's health until server.startup_timeout_s:
+    http, before the HTTP server started: vLLM's own shutdown on engine death covered only a
+      running HTTP server, and this one went on to serve, answering 503 "engine is dead";
+    client, while vLLM's engine client is built: its call to the engine there (reset_mm_cache)
+      waited for ever on the dead one, before any watch of the engine's death flag existed."""
     import psutil
 
     from grpo.cpu.serving import KV_CACHE_ENV
@@ -578,7 +581,8 @@ def test_a_server_whose_engine_dies_while_it_starts_exits_at_once(tiny, tmp_path
            "--max-model-len", "256", "--enforce-eager"]
     # a 1 GiB KV cache, as every CPU server the trainer launches has (grpo.cpu.serving.engine_env): without
     # it vLLM asks for 85% of the machine's memory, and failed to start beside another worker's engine
-    env = {**os.environ, TOKEN_ENV: "t" * 32, "ENGINE_UP_FILE": str(up), "PYTHONPATH": root, KV_CACHE_ENV: "1"}
+    env = {**os.environ, TOKEN_ENV: "t" * 32, "ENGINE_UP_FILE": str(up), "PYTHONPATH": root, KV_CACHE_ENV: "1",
+           "PAUSE_AT": pause_at}
     with open(tmp_path / "server.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

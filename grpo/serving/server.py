@@ -33,6 +33,8 @@ import json
 import os
 import stat
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -161,6 +163,42 @@ def engine_executor_args(on_cpu: bool, cpu_executor: str = "in_process") -> list
 
 
 ENGINE_DIED_EXIT = 3  # the server's exit code when its engine died under it
+ENGINE_PROCESS_NAME = "VLLM::EngineCore"  # the title vLLM gives its engine-core process
+
+
+def exit_when_an_engine_process_dies(poll_s: float = 0.5) -> threading.Thread:
+    """From before the engine starts: once an engine-core process of this server exists, its death
+    ends the server. vLLM's own death flag (exit_when_the_engine_dies, below) exists only once its
+    client is built, and a call that client makes to the engine while it is being built
+    (reset_mm_cache) waits for ever on a dead one: vLLM 0.32 resolves no utility call in flight when
+    its engine dies. The chaos soak's server, its engine killed right after it came up, hung there
+    until the trainer's start-up time-out (300 s), and the run ended."""
+    import psutil
+
+    def gone(p: psutil.Process) -> bool:
+        try:
+            return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return True
+
+    def watch() -> None:
+        me, engines = psutil.Process(), []
+        while True:
+            for child in me.children():
+                try:
+                    if child.name() == ENGINE_PROCESS_NAME and child not in engines:
+                        engines.append(child)
+                except psutil.Error:
+                    continue
+            if any(gone(p) for p in engines):
+                print("[grpo.server] the vLLM engine died: exiting so that the trainer restarts this server",
+                      file=sys.stderr, flush=True)
+                os._exit(ENGINE_DIED_EXIT)
+            time.sleep(poll_s)
+
+    thread = threading.Thread(target=watch, name="engine-process-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 async def exit_when_the_engine_dies(engine, poll_s: float = 0.5) -> None:
@@ -198,6 +236,7 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
     on_cpu = current_platform.is_cpu()
     args = vllm_args(ns, port, on_cpu)
     root = Path(ns.weights_root)  # checked by main()
+    exit_when_an_engine_process_dies()
     async with build_async_engine_client(args) as engine:
         # held for the life of serve(): the event loop keeps only weak references to tasks
         watch = asyncio.create_task(exit_when_the_engine_dies(engine))  # noqa: F841
