@@ -253,6 +253,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
             cfg.model.path, cfg.server, run_dir, gpus=layout.replica_gpus or (layout.server_gpu,),
             gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
         on_lost_rank(run.server.stop)  # a rank ending for a lost peer leaves no server behind
+        run.server.start_versions()  # an attached server may still serve another run's push, or a crashed attempt's
     # the CPU fence's one hook (nothing off CPU): malloc, the LM head's GEMMs, cores shared with the engine
     tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy, pushed_policy], run.sample_ahead, run.server)
     if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir and not cfg.replay:

@@ -2,15 +2,23 @@
 Qwen2, started once for the module. Every test pushes the next version from whatever the fleet
 serves, so each passes alone and in any order: the engines are shared, their history is not.
 """
+import json
 import os
+import secrets
+import shutil
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from grpo.models import load_model, load_tokenizer
+from grpo.serving.client import InferenceClient
 from grpo.serving.fleet import FleetPushError, ServerFleet, server_seed, shares
 from grpo.serving.inference import ServerConfig
+from test_train import ROOT, env, read_rows, train_cmd
 from tiny_models import make_tiny_model_dir
 
 PROMPTS = ["What is 12 + 7?", "Natalia sold clips to 48 of her friends in April.", "What is 3 + 4?",
@@ -128,3 +136,84 @@ def test_a_push_one_server_refuses_leaves_both_on_the_old_version(fleet, tiny, m
     monkeypatch.undo()
     assert _push_next(fleet, new_sd) == old + 1
     assert _tokens(fleet.generate(ids, n=1, max_tokens=8, temperature=0.0)) != greedy_old
+
+
+@pytest.fixture
+def hand_started(tiny, tmp_path):
+    """Two servers started by hand with one token, as docs/layouts.md starts them ("Two servers on
+    one machine, by hand"): a run attaches to them (server.urls) and they outlive its attempts."""
+    token = tmp_path / "token"
+    token.write_text(secrets.token_urlsafe(24) + "\n")
+    token.chmod(0o600)
+    procs, port_files = [], []
+    for i in range(2):
+        (tmp_path / f"w{i}").mkdir(mode=0o700)
+        port_files.append(tmp_path / f"port{i}")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "grpo.serving.server", "--model", str(tiny["model_dir"]),
+             "--weights-root", str(tmp_path / f"w{i}"), "--token-file", str(token), "--dtype", "float32",
+             "--max-model-len", "256", "--enforce-eager", "--port-file", str(port_files[i]),
+             "--parent-pid", str(os.getpid())],
+            cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / f"server{i}.log", "wb"), start_new_session=True))
+    try:
+        urls = []
+        for i, port_file in enumerate(port_files):
+            client = None
+            deadline = time.time() + 400
+            while time.time() < deadline and procs[i].poll() is None:
+                if port_file.is_file() and port_file.read_text().strip():
+                    client = InferenceClient(f"http://127.0.0.1:{port_file.read_text().strip()}",
+                                             token.read_text().strip(), retry_deadline_s=1)
+                    if client.health():
+                        break
+                time.sleep(0.5)
+            assert client is not None and client.health(), (tmp_path / f"server{i}.log").read_text()[-3000:]
+            urls.append(client.url)
+        yield {"urls": urls, "token_file": token, "clients": [
+            InferenceClient(u, token.read_text().strip(), retry_deadline_s=5) for u in urls]}
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+@pytest.mark.vllm
+def test_a_resume_on_attached_servers_that_served_past_the_checkpoint_is_exact(tiny, hand_started, tmp_path):
+    """server.urls: servers the run did not launch outlive its crash, still serving the pushes made
+    after the checkpoint a resume starts from. v=3, M=7: pushes at iterations 3 and 6 (versions 1
+    and 2); the resume from step 4's checkpoint needs alpha = version 1 while both servers hold 2.
+    Before, that upload was refused ("409: version 1 is not newer than the served version 2") and
+    the resume could not start. Now the run resets each server to its model directory (version 0)
+    first, serves alpha again, and steps 5-7 repeat the uninterrupted run's numbers, each server's
+    share of every batch included."""
+    common = ["grpo.S=1", "grpo.M=7", "grpo.v=3", "grpo.i=1", "grpo.batch_prompts=4", "checkpoint.every=2",
+              "checkpoint.keep_last=3", "eval_data=null", "server.push_mode=bytes",
+              f"server.token_file={hand_started['token_file']}", f"server.urls={json.dumps(hand_started['urls'])}"]
+    full = subprocess.run(train_cmd(1, tiny["model_dir"], tmp_path, "full", *common), cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=900)
+    assert full.returncode == 0, full.stderr[-4000:]
+    assert [c.weights_version() for c in hand_started["clients"]] == [2, 2]
+
+    shutil.copytree(tmp_path / "full", tmp_path / "crash", symlinks=True)  # a crash right after step 4's checkpoint
+    later = [p for p in (tmp_path / "crash" / "checkpoints").glob("step_*") if int(p.name[5:]) > 4]
+    assert sorted(p.name for p in later) == ["step_6", "step_7"]
+    for p in [*later, tmp_path / "crash" / "final"]:
+        shutil.rmtree(p)
+    resumed = subprocess.run(train_cmd(1, tiny["model_dir"], tmp_path, "crash", *common, "--resume"), cwd=ROOT,
+                             env=env(), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert resumed.stderr.count("served version 2 (another run's, or this run's past its checkpoint); reset") == 2, \
+        resumed.stderr[-4000:]
+    a = {r["step"]: r for r in read_rows(tmp_path / "full") if "loss" in r}
+    b = {r["step"]: r for r in read_rows(tmp_path / "crash") if "loss" in r}
+    assert sorted(b) == list(range(1, 8))
+    assert (tmp_path / "crash" / "final").is_dir() and (tmp_path / "crash" / "checkpoints" / "step_7").is_dir()  # trained 5-7
+    assert [b[s]["weights_version"] for s in (5, 6, 7)] == [1, 1, 2]  # alpha of the window, then the push at 6
+    for step in (5, 6, 7):
+        assert b[step]["fleet_server0_groups"] == b[step]["fleet_server1_groups"] == 2
+        for key in ("reward_mean", "loss", "grad_norm", "kl", "tv_pik_alpha", "completion_len_mean", "weights_version"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)

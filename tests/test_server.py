@@ -764,6 +764,27 @@ def _serves_and_generates(server, tiny, version, served):
 
 
 @pytest.mark.vllm
+def test_a_reset_serves_the_model_directory_as_version_0_and_its_versions_can_be_pushed_again(server, tiny,
+                                                                                             monkeypatch):
+    """POST /grpo/weights/reset: what a run does to a server it attaches to that serves another
+    run's pushes or its own from past a checkpoint (InferenceServer.start_versions). The model
+    directory is served again as version 0, and an upload of a version whose directory is left from
+    before the reset replaces it (it was refused as "exists already")."""
+    monkeypatch.setattr(server, "cfg", dataclasses.replace(server.cfg, push_mode="bytes"))
+    eos = tiny["tok"].eos_token_id
+    first, second = _perturbed(tiny["hf"], seed=31), _perturbed(tiny["hf"], seed=32)
+    version = server.weights_version() + 1
+    server.push(first, version, step=1)
+    _serves_and_generates(server, tiny, version, _hf_greedy(tiny["hf"], first, tiny["prompt_ids"], 12, eos))
+    server.start_versions()
+    model_dir_weights = load_model(tiny["model_dir"], dtype=torch.float32).state_dict()
+    _serves_and_generates(server, tiny, 0, _hf_greedy(tiny["hf"], model_dir_weights, tiny["prompt_ids"], 12, eos))
+    assert server.client.reset_weights()["unchanged"]  # already at 0: nothing reloads
+    server.push(second, version, step=1)  # the same version number, other weights
+    _serves_and_generates(server, tiny, version, _hf_greedy(tiny["hf"], second, tiny["prompt_ids"], 12, eos))
+
+
+@pytest.mark.vllm
 def test_pushes_of_the_wrong_dtype_or_with_nan_are_refused(server, tiny):
     """F16/I32 tensors were accepted and cast; NaN/Inf were accepted, after which every generation
     answered 400 while health stayed 200. Now each is refused and the old version keeps serving."""

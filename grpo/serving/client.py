@@ -138,6 +138,10 @@ class InferenceClient:
     def weights_version(self) -> int:
         return int(self.request("GET", "/grpo/weights_version")["weights_version"])
 
+    def reset_weights(self) -> dict:
+        """The server serves its model directory again, as version 0 (a run's versions start there)."""
+        return self.request("POST", "/grpo/weights/reset")
+
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
                  top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None,
                  seed: Optional[int] = None, engine_threads: Optional[int] = None) -> GenerationResult:

@@ -131,6 +131,31 @@ class WeightsState:
                 await self.engine.resume_generation()
         return reply
 
+    async def reset(self) -> dict[str, Any]:
+        """Serve the model directory again, as version 0: a run that attaches to this server starts
+        its own sequence of versions (a new run, or a resumed one whose checkpoint is older than the
+        pushes served since). The one way versions go down; directories pushed before stay until
+        pruned, and an upload of a version whose old directory is left replaces it."""
+        async with self.gate.writing():
+            if self.version == 0 and self.serving_dir == self.model_dir and not self.broken:
+                return {"version": 0, "seconds": 0.0, "unchanged": True}
+            t0 = time.perf_counter()
+            await self.engine.pause_generation(mode="wait", clear_cache=False)
+            try:
+                try:
+                    await self._reload(self.model_dir)
+                except Exception as e:
+                    self.broken = f"reloading the model directory as version 0 failed: {e}"
+                    raise WeightPushError(self.broken) from None
+                self.version, self.step, self.serving_dir, self.served_digest = 0, 0, self.model_dir, None
+                self.broken = None
+                (self.root / SERVING_MARKER).unlink(missing_ok=True)
+                await self._forget_cached_kv()
+            finally:
+                await self.engine.resume_generation()
+            fingerprint = merge_rank_fingerprints(await self.engine.collective_rpc("grpo_weights_fingerprint"))
+        return {"version": 0, "seconds": time.perf_counter() - t0, "fingerprint": fingerprint}
+
     async def _swap(self, manifest: dict[str, Any], hashes_checked: bool, t0: float) -> dict[str, Any]:
         """With the engine idle: load, verify, forget the old KV, fingerprint; or restore and raise."""
         path, version = Path(manifest["path"]), manifest["version"]

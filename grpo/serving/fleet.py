@@ -14,10 +14,13 @@ attached servers share the run's staging directory, uploaded to each), then load
 in parallel, each engine's fingerprint checked against the pushed tensors. Only when every server
 holds the new version does the push return. If a write fails, no server has loaded anything. If a
 server refuses the load (or its fingerprint differs), every server that took the new version is
-taken back to the one it served before: a launched server is restarted onto it (versions only grow
-on a running server); an attached one cannot be, and the fleet then refuses to sample until a push
-reaches every server. Either way the push raises, and no batch is ever sampled from two versions:
-generate checks that every share came from one.
+taken back to the one it served before: a launched server is restarted onto it, an attached one
+reset to its model directory (POST /grpo/weights/reset, the one way versions go down on a running
+server) and re-pushed it. If that fails too, the fleet refuses to sample until a push reaches every
+server. Either way the push raises, and no batch is ever sampled from two versions: generate checks
+that every share came from one. A run starts every server at version 0 (start_versions): an
+attached server still serving another run's push, or this run's from past the checkpoint a resume
+starts from, is reset first.
 
 Same numbers. A batch's groups go to servers by index, group g to server g mod R, and the batch is
 put back in group order. Each server samples its share as one seeded batch (the server reseeds its
@@ -222,6 +225,11 @@ class ServerFleet:
         replies = self._raise_first(self._each(lambda r, s: s.serve(weights_dir, version)))
         self._split = None
         return replies[0]
+
+    def start_versions(self) -> None:
+        """Every server at version 0, the model directory (InferenceServer.start_versions)."""
+        self._raise_first(self._each(lambda r, s: s.start_versions()))
+        self._split = None
 
     def weights_version(self) -> int:
         """The version every server serves (InferenceServerError if they differ)."""

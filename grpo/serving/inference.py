@@ -449,15 +449,36 @@ class InferenceServer:
         return self._served
 
     def revert(self, served: Optional[tuple[Path, int, str]]) -> None:
-        """Back to an earlier load (a fleet's push that another server refused): a fresh engine serving
-        `served` (None: the model directory, version 0). Versions only grow on a running server, so
-        a launched one is restarted; an attached one cannot go back (InferenceServerError)."""
-        if self._process is None:
-            raise InferenceServerError(f"{self.url} holds a newer version than its fleet and was attached by URL: "
-                                       f"it cannot be taken back from here")
+        """Back to an earlier load (a fleet's push that another server refused): serving `served`
+        again (None: the model directory, version 0). Versions only grow on a running server except
+        through a reset: a launched one is restarted onto it, an attached one reset and re-pushed."""
         self._served = served
+        if self._process is None:
+            print(f"[grpo] inference server {self.url}: resetting it to take back a push its fleet refused",
+                  file=sys.stderr)
+            self.reset()
+            if served is not None:
+                self._load(*served)
+            return
         print(f"[grpo] inference server {self.url}: restarting it to take back a push its fleet refused", file=sys.stderr)
         self.restart()
+
+    def reset(self) -> dict:
+        """The server serves its model directory as version 0 again (POST /grpo/weights/reset)."""
+        reply = self.client.reset_weights()
+        self._served = None
+        return reply
+
+    def start_versions(self) -> None:
+        """A run's versions start at 0, the model directory. An attached server may serve another
+        run's push, or this run's from past its checkpoint (a resume after a crash): it is reset, or
+        the run's pushes would be refused as not newer, and its samples would come from weights the
+        run never pushed. A launched server is fresh."""
+        version = self.weights_version()
+        if version != 0:
+            print(f"[grpo] inference server {self.url} served version {version} (another run's, or this run's "
+                  f"past its checkpoint); reset to its model directory, version 0", file=sys.stderr)
+            self.reset()
 
     # -- lifecycle
     def _report_restart(self, error: Exception) -> None:

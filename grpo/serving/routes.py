@@ -163,6 +163,7 @@ class Routes:
         self.max_model_len = max_model_len
         self.upload_timeout_s = upload_timeout_s
         self.seeded_lock = asyncio.Lock()  # one seeded batch at a time: reseeding is engine-global
+        self.uploading: set[int] = set()  # versions whose upload is in flight
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -172,6 +173,7 @@ class Routes:
         router.add_api_route("/grpo/score", self.score, methods=["POST"])
         router.add_api_route("/grpo/weights", self.push_path, methods=["POST"])
         router.add_api_route("/grpo/weights/upload", self.push_bytes, methods=["POST"])
+        router.add_api_route("/grpo/weights/reset", self.reset, methods=["POST"])
         return router
 
     async def health(self):
@@ -395,12 +397,15 @@ class Routes:
             return {"version": version, "seconds": 0.0, "bytes": 0, "unchanged": True}  # a retried push
         if version <= state.version:
             return error(409, f"version {version} is not newer than the served version {state.version}")
-        if final.exists():
-            return error(409, f"{final} exists already (another upload of version {version}?)")
+        if version in self.uploading:
+            return error(409, f"another upload of version {version} is in progress")
+        if final.exists():  # left from before a reset: that version is being pushed again
+            shutil.rmtree(final)
         # Per-request names: a failing request removes only what it created itself.
         tmp = state.root / f".tmp-{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir(mode=0o700, parents=True)
         renamed = False
+        self.uploading.add(version)
         try:
             try:
                 received = await self.receive(request, tmp / WEIGHTS_FILE, int(length), hasher)
@@ -426,7 +431,16 @@ class Routes:
                 shutil.rmtree(final, ignore_errors=True)
             return push_error(e)
         finally:
+            self.uploading.discard(version)
             shutil.rmtree(tmp, ignore_errors=True)
+
+    async def reset(self):
+        """The model directory served again as version 0 (WeightsState.reset): a run attaching to
+        this server starts its own versions."""
+        try:
+            return await self.state.reset()
+        except WeightPushError as e:
+            return error(500, str(e))
 
     async def receive(self, request: Request, path: Path, length: int, hasher) -> int:
         """The request's body into `path`, hashed as it arrives; its byte count. UploadTimeout when it
