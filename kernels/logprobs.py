@@ -270,7 +270,7 @@ def logprob_partial_kernel(
     m, s, w = _row_stats(logits_ptr + rows * stride_logits_row, row_mask, lo, hi, inv_temperature,
                          ROWS, BLOCK_V, WITH_ENTROPY, LANEWISE, PREFETCH)
     out = partial_ptr + split.to(tl.int64) * n_rows + rows
-    plane = n_split.to(tl.int64) * n_rows
+    plane = n_split * n_rows  # n_split >= 2 (split=1 runs logprob_fwd_kernel)
     tl.store(out, m, mask=row_mask)
     tl.store(out + plane, s, mask=row_mask)
     if WITH_ENTROPY:
@@ -291,7 +291,7 @@ def logprob_combine_kernel(
     k = tl.arange(0, SPLIT_BLOCK)
     mask = row_mask[:, None] & (k < n_split)[None, :]
     ptrs = partial_ptr + k[None, :].to(tl.int64) * n_rows + rows[:, None]
-    plane = n_split.to(tl.int64) * n_rows
+    plane = n_split * n_rows
     m_k = tl.load(ptrs, mask=mask, other=float("-inf"))
     s_k = tl.load(ptrs + plane, mask=mask, other=0.0)
     m = tl.max(m_k, axis=1)

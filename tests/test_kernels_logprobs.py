@@ -1,6 +1,9 @@
 """kernels.token_logprobs against hand-computed values and a naive torch formula (log_softmax + gather),
 for both backends: "torch" (the CPU path) and "triton" (run by the interpreter, TRITON_INTERPRET=1)."""
+import importlib.util
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import torch
 import kernels
 from kernels import KernelConfig
 
+ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["torch", "triton"]
 # Small Triton tiles so that several programs and several V-blocks run, with ragged edges.
 SMALL = KernelConfig(rows_per_program=8, block_v=256)
@@ -249,3 +253,33 @@ def test_split_must_be_a_positive_integer():
 
     with pytest.raises(ValueError, match="split: must be an integer >= 1"):
         LogprobImpl("triton", split=0)
+
+
+def load_bandwidth_bench():
+    spec = importlib.util.spec_from_file_location("logprob_bandwidth", ROOT / "bench" / "logprob_bandwidth.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bandwidth_bench_smoke(tmp_path):
+    # bench/logprob_bandwidth.py --smoke: every variant through the interpreter, checked against torch.
+    bench = load_bandwidth_bench()
+    assert bench.main(["--smoke", "--out", str(tmp_path / "lp.json")]) == 0
+    report = json.loads((tmp_path / "lp.json").read_text())
+    assert report["failed"] == [] and len(report["cases"]) == 2
+    for case in report["cases"].values():
+        assert set(case["results"]) == {name for name, _ in bench.variants(smoke=True)}
+        for r in case["results"].values():
+            assert r["ok"] and r["seconds"] > 0 and set(r["max_rel_diff"]) >= {"logp", "lse"}
+
+
+def test_bandwidth_bench_flags_a_variant_off_the_reference(tmp_path, monkeypatch):
+    bench = load_bandwidth_bench()
+    monkeypatch.setattr(bench, "variants", lambda smoke: [("block", dict(rows_per_program=2, block_v=64, num_warps=4))])
+    monkeypatch.setattr(bench, "cases", lambda smoke: [(5, 300, torch.float32, False)])
+    reference = bench.torch_forward
+    monkeypatch.setattr(bench, "torch_forward", lambda *a: (reference(*a)[0] - 1e-2,) + reference(*a)[1:])
+    assert bench.main(["--smoke", "--out", str(tmp_path / "lp.json")]) == 1
+    report = json.loads((tmp_path / "lp.json").read_text())
+    assert report["failed"] == ["N=5 V=300 float32 entropy=off: block"]
