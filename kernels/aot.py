@@ -41,7 +41,8 @@ def variants(only: str | None = None, cover: bool = False) -> list[dict]:
                        "logp_alpha_ptr": "*fp32", "logp_ptr": "*fp32", "lse_ptr": "*fp32",
                        "log_ratio_ptr": "*fp32", "entropy_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32",
                        "inv_temperature": "fp32"}
-                cx = dict(ROWS=GPU_ROWS, BLOCK_V=GPU_BLOCK_V, HAS_ALPHA=has_alpha, WITH_ENTROPY=with_entropy)
+                cx = dict(ROWS=GPU_ROWS, BLOCK_V=GPU_BLOCK_V, HAS_ALPHA=has_alpha, WITH_ENTROPY=with_entropy,
+                          LANEWISE=False, PREFETCH=False)
                 out.append(dict(kernel="logprob_fwd_kernel", dtype=dtype, signature=sig, constexprs=cx,
                                 num_warps=GPU_WARPS))
             for with_entropy_grad in (False, True):

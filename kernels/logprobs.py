@@ -16,7 +16,10 @@ log-prob gradient; its entropy is still computed, since it does not depend on th
 Two implementations of the same (forward, backward) pair, chosen by `kernels.__init__`:
   * torch: readable, row-blocked so temporaries stay ~16 MB whatever N and V are; the CPU path.
   * Triton: one pass over V per row with an online max/sum (flash-softmax style); the GPU path,
-    and the path tests run under TRITON_INTERPRET=1.
+    and the path tests run under TRITON_INTERPRET=1. Forward variants, chosen by LogprobImpl's
+    launch parameters (the defaults are the plain one): a lane-wise loop (per-lane running max and
+    sum, one reduction after the loop), two-buffer prefetch, and a split vocabulary (each row over
+    several programs, then a merge kernel). bench/logprob_bandwidth.py measures them on a GPU.
 Both backward functions write dlogits into a caller-given `out`, which may alias `logits` (the
 fused LM-head path overwrites its chunk of logits with their gradient), so the only full-size
 allocation of the backward is the gradient itself.
@@ -103,31 +106,36 @@ def torch_backward(logits, targets, lse, grad_logp, entropy, grad_entropy, inv_t
 
 # --------------------------------------------------------------------------- Triton kernels
 
+# log2(e): exp(y) = exp2(y * LOG2E); the lane-wise loop folds it into the scale 1/T (one multiply).
+LOG2E = tl.constexpr(1.4426950408889634)
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
+
 
 @triton.jit
-def logprob_fwd_kernel(
-    logits_ptr, stride_logits_row, targets_ptr, logp_alpha_ptr,
-    logp_ptr, lse_ptr, log_ratio_ptr, entropy_ptr,
-    n_rows, n_cols, inv_temperature,
-    ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
-    HAS_ALPHA: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-):
-    # int64 row offsets: row * stride overflows int32 at Qwen sizes (2048 * 151936 > 2^31 / 8).
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    row_mask = rows < n_rows
-    row_ptrs = logits_ptr + rows * stride_logits_row
-    cols = tl.arange(0, BLOCK_V)
+def _load_block(row_ptrs, row_mask, start, hi, cols):
+    """One [ROWS, BLOCK_V] block of logits (their own dtype) at columns start + cols; -inf past hi."""
+    c = start + cols
+    mask = row_mask[:, None] & (c < hi)[None, :]
+    return tl.load(row_ptrs[:, None] + c[None, :], mask=mask, other=float("-inf"))
 
-    # Online logsumexp: m = running max of z, s = sum exp(z - m),
-    # w = sum exp(z - m) (z - m)  so that entropy = log s - w / s (no cancellation at |z| ~ 1e4).
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    s = tl.zeros([ROWS], tl.float32)
-    w = tl.zeros([ROWS], tl.float32)
-    for start in range(0, n_cols, BLOCK_V):
-        c = start + cols
-        mask = row_mask[:, None] & (c < n_cols)[None, :]
-        z = tl.load(row_ptrs[:, None] + c[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        z = z * inv_temperature
+
+@triton.jit
+def _step(x, m, s, w, inv_temperature, scale2, WITH_ENTROPY: tl.constexpr, LANEWISE: tl.constexpr):
+    """One block x [ROWS, BLOCK_V] folded into the running (m, s, w) (see _row_stats)."""
+    if LANEWISE:
+        x = x.to(tl.float32)
+        d = x - m
+        up = d > 0  # x is the lane's new max
+        t = -tl.abs(d)
+        if WITH_ENTROPY:
+            t = tl.maximum(t, -FP32_MAX)  # x = -inf: t finite, so e * t = 0, not nan
+        e = tl.exp2(t * scale2)  # exp(-|x - m| / T)
+        if WITH_ENTROPY:
+            w = tl.where(up, e * (w + t * s), w + e * t)
+        s = tl.where(up, s * e + 1.0, s + e)
+        m = tl.where(up, x, m)
+    else:
+        z = x.to(tl.float32) * inv_temperature
         m_new = tl.maximum(m, tl.max(z, axis=1))
         # Guard fully masked rows (past N): -inf - -inf would be nan.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -139,6 +147,73 @@ def logprob_fwd_kernel(
             w = alpha * (w + shift * s) + tl.sum(pz, axis=1)
         s = alpha * s + tl.sum(p, axis=1)
         m = m_new
+    return m, s, w
+
+
+@triton.jit
+def _row_stats(row_ptrs, row_mask, lo, hi, inv_temperature,
+               ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+               LANEWISE: tl.constexpr, PREFETCH: tl.constexpr):
+    """(m, s, w) [ROWS] fp32 of columns [lo, hi) of each row, with z = logits / T:
+    m = max z, s = sum exp(z - m), w = sum exp(z - m) (z - m) (0 without WITH_ENTROPY), so that
+    lse = m + log s and entropy = log s - w / s (no cancellation at |z| ~ 1e4). m = -inf (s = w = 0)
+    when the range holds no finite logit (an empty split, a row past N).
+
+    Block-wise (LANEWISE=False): one online-logsumexp step per [ROWS, BLOCK_V] block, a max and a
+    sum (and with entropy a second sum) across the block each step.
+    Lane-wise (LANEWISE=True): every lane keeps its own running (m, s, w) of the raw logits and the
+    block is reduced once after the loop: no cross-thread reduction (no barrier) inside the loop.
+    One of the two exponentials of an online-softmax step is exp(0) = 1, so a step costs one exp:
+    with d = x - m and e = exp(-|d| / T), a new lane max (d > 0) gives s <- s e + 1, w <- e (w - d s),
+    else s <- s + e, w <- w + e d. exp is exp2 with log2(e) / T as one factor.
+    PREFETCH: two blocks per loop step in two register buffers, each refilled (the load issued)
+    as soon as its block is folded in, so one block's loads are in flight while the other block
+    is computed. (Refilling one buffer at the top of the step does not do this: the compiler
+    sinks that load below the arithmetic, into the registers the arithmetic frees.)"""
+    cols = tl.arange(0, BLOCK_V)
+    scale2 = inv_temperature * LOG2E  # log2(e) / T
+    if LANEWISE:
+        # -FP32_MAX, not -inf: x - m is then never -inf - -inf (nan); a lane that sees no finite
+        # logit keeps s = 0 and drops out of the final combine.
+        m = tl.full([ROWS, BLOCK_V], -FP32_MAX, tl.float32)
+        s = tl.zeros([ROWS, BLOCK_V], tl.float32)
+        w = tl.zeros([ROWS, BLOCK_V], tl.float32)
+    else:
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        s = tl.zeros([ROWS], tl.float32)
+        w = tl.zeros([ROWS], tl.float32)
+    if PREFETCH:
+        # A block past hi is all -inf and changes nothing (an odd block count costs one such step).
+        xa = _load_block(row_ptrs, row_mask, lo, hi, cols)
+        xb = _load_block(row_ptrs, row_mask, lo + BLOCK_V, hi, cols)
+        for start in range(lo, hi, 2 * BLOCK_V):
+            m, s, w = _step(xa, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
+            xa = _load_block(row_ptrs, row_mask, start + 2 * BLOCK_V, hi, cols)
+            m, s, w = _step(xb, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
+            xb = _load_block(row_ptrs, row_mask, start + 3 * BLOCK_V, hi, cols)
+    else:
+        for start in range(lo, hi, BLOCK_V):
+            x = _load_block(row_ptrs, row_mask, start, hi, cols)
+            m, s, w = _step(x, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
+    if LANEWISE:  # combine the lanes of each row; raw logits -> z units (times 1/T)
+        m_row = tl.max(m, axis=1)
+        gap = m - m_row[:, None]  # <= 0, finite
+        a = tl.exp2(gap * scale2)
+        s_row = tl.sum(a * s, axis=1)
+        if WITH_ENTROPY:
+            w_row = tl.sum(a * (w + gap * s), axis=1) * inv_temperature
+        else:
+            w_row = tl.zeros([ROWS], tl.float32)
+        m = tl.where(s_row > 0, m_row * inv_temperature, float("-inf"))
+        s, w = s_row, w_row
+    return m, s, w
+
+
+@triton.jit
+def _finish(logits_ptr, stride_logits_row, targets_ptr, logp_alpha_ptr, logp_ptr, lse_ptr, log_ratio_ptr,
+            entropy_ptr, rows, row_mask, m, s, w, inv_temperature,
+            HAS_ALPHA: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    """Store logp, lse (and log_ratio, entropy) of `rows` from their (m, s, w) (see _row_stats)."""
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     log_s = tl.log(s)
     lse = m_safe + log_s
@@ -155,6 +230,82 @@ def logprob_fwd_kernel(
         tl.store(log_ratio_ptr + rows, tl.where(valid, logp - logp_alpha, 0.0), mask=row_mask)
     if WITH_ENTROPY:
         tl.store(entropy_ptr + rows, log_s - w / s, mask=row_mask)
+
+
+@triton.jit
+def logprob_fwd_kernel(
+    logits_ptr, stride_logits_row, targets_ptr, logp_alpha_ptr,
+    logp_ptr, lse_ptr, log_ratio_ptr, entropy_ptr,
+    n_rows, n_cols, inv_temperature,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_ALPHA: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    LANEWISE: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """One program per ROWS rows, one pass over the whole vocabulary."""
+    # int64 row offsets: row * stride overflows int32 at Qwen sizes (2048 * 151936 > 2^31 / 8).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_mask = rows < n_rows
+    m, s, w = _row_stats(logits_ptr + rows * stride_logits_row, row_mask, 0, n_cols, inv_temperature,
+                         ROWS, BLOCK_V, WITH_ENTROPY, LANEWISE, PREFETCH)
+    _finish(logits_ptr, stride_logits_row, targets_ptr, logp_alpha_ptr, logp_ptr, lse_ptr, log_ratio_ptr,
+            entropy_ptr, rows, row_mask, m, s, w, inv_temperature, HAS_ALPHA, WITH_ENTROPY)
+
+
+@triton.jit
+def logprob_partial_kernel(
+    logits_ptr, stride_logits_row, partial_ptr,
+    n_rows, n_cols, n_split, inv_temperature,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    LANEWISE: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Split vocabulary: program (i, k) reduces the k-th of n_split slices of rows i*ROWS.. (whole
+    BLOCK_V blocks, the last slices shorter or empty) to partial (m, s, w), stored at
+    partial[0..2, k, row] (fp32 [3, n_split, n_rows]); logprob_combine_kernel finishes."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_mask = rows < n_rows
+    split = tl.program_id(1)
+    blocks_per_split = tl.cdiv(tl.cdiv(n_cols, BLOCK_V), n_split)
+    lo = split * blocks_per_split * BLOCK_V
+    hi = tl.minimum(lo + blocks_per_split * BLOCK_V, n_cols)
+    m, s, w = _row_stats(logits_ptr + rows * stride_logits_row, row_mask, lo, hi, inv_temperature,
+                         ROWS, BLOCK_V, WITH_ENTROPY, LANEWISE, PREFETCH)
+    out = partial_ptr + split.to(tl.int64) * n_rows + rows
+    plane = n_split * n_rows  # n_split >= 2 (split=1 runs logprob_fwd_kernel)
+    tl.store(out, m, mask=row_mask)
+    tl.store(out + plane, s, mask=row_mask)
+    if WITH_ENTROPY:
+        tl.store(out + 2 * plane, w, mask=row_mask)
+
+
+@triton.jit
+def logprob_combine_kernel(
+    partial_ptr, logits_ptr, stride_logits_row, targets_ptr, logp_alpha_ptr,
+    logp_ptr, lse_ptr, log_ratio_ptr, entropy_ptr,
+    n_rows, n_split, inv_temperature,
+    ROWS: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HAS_ALPHA: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+):
+    """Merge the n_split partial (m, s, w) of each row (online-softmax merge: rescale each by
+    exp(m_k - m)) and store the row's outputs as logprob_fwd_kernel does."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_mask = rows < n_rows
+    k = tl.arange(0, SPLIT_BLOCK)
+    mask = row_mask[:, None] & (k < n_split)[None, :]
+    ptrs = partial_ptr + k[None, :].to(tl.int64) * n_rows + rows[:, None]
+    plane = n_split * n_rows
+    m_k = tl.load(ptrs, mask=mask, other=float("-inf"))
+    s_k = tl.load(ptrs + plane, mask=mask, other=0.0)
+    m = tl.max(m_k, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    a = tl.exp(m_k - m_safe[:, None])  # 0 for an empty slice (m_k = -inf)
+    s = tl.sum(a * s_k, axis=1)
+    if WITH_ENTROPY:
+        w_k = tl.load(ptrs + 2 * plane, mask=mask, other=0.0)
+        shift = tl.where(m_k == float("-inf"), 0.0, m_k - m_safe[:, None])
+        w = tl.sum(a * (w_k + shift * s_k), axis=1)
+    else:
+        w = tl.zeros([ROWS], tl.float32)
+    _finish(logits_ptr, stride_logits_row, targets_ptr, logp_alpha_ptr, logp_ptr, lse_ptr, log_ratio_ptr,
+            entropy_ptr, rows, row_mask, m, s, w, inv_temperature, HAS_ALPHA, WITH_ENTROPY)
 
 
 @triton.jit
@@ -194,8 +345,13 @@ def _grid(n_rows, rows_per_program):
 
 
 def triton_forward(logits, targets, inv_temperature, with_entropy, logp_alpha=None, *,
-                   rows_per_program, block_v, num_warps):
-    """Same contract as torch_forward (+ log_ratio when logp_alpha is given), one Triton launch."""
+                   rows_per_program, block_v, num_warps, split=1, lanewise=False, prefetch=False,
+                   num_stages=None):
+    """Same contract as torch_forward (+ log_ratio when logp_alpha is given). split=1: one Triton
+    launch, a program per rows_per_program rows over the whole vocabulary; split > 1: each row's
+    vocabulary over `split` programs (logprob_partial_kernel) then one small merge launch
+    (logprob_combine_kernel). lanewise, prefetch: the loop variants of _row_stats. num_stages:
+    Triton's software pipelining depth (None: Triton's default)."""
     n_rows, n_cols = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
     logp, lse = torch.empty(n_rows, **f32), torch.empty(n_rows, **f32)
@@ -203,12 +359,29 @@ def triton_forward(logits, targets, inv_temperature, with_entropy, logp_alpha=No
     log_ratio = torch.empty(n_rows, **f32) if logp_alpha is not None else None
     if n_rows == 0:
         return logp, lse, entropy, log_ratio
-    logprob_fwd_kernel[_grid(n_rows, rows_per_program)](
-        logits, logits.stride(0), targets, logp_alpha if logp_alpha is not None else logp,
-        logp, lse, log_ratio if log_ratio is not None else logp, entropy if with_entropy else logp,
-        n_rows, n_cols, float(inv_temperature),
-        ROWS=rows_per_program, BLOCK_V=block_v,
-        HAS_ALPHA=logp_alpha is not None, WITH_ENTROPY=with_entropy, num_warps=num_warps,
+    stages = {} if num_stages is None else {"num_stages": num_stages}
+    outputs = (logp_alpha if logp_alpha is not None else logp, logp, lse,
+               log_ratio if log_ratio is not None else logp, entropy if with_entropy else logp)
+    if split == 1:
+        logprob_fwd_kernel[_grid(n_rows, rows_per_program)](
+            logits, logits.stride(0), targets, *outputs,
+            n_rows, n_cols, float(inv_temperature),
+            ROWS=rows_per_program, BLOCK_V=block_v,
+            HAS_ALPHA=logp_alpha is not None, WITH_ENTROPY=with_entropy,
+            LANEWISE=lanewise, PREFETCH=prefetch, num_warps=num_warps, **stages,
+        )
+        return logp, lse, entropy, log_ratio
+    partial = torch.empty((3, split, n_rows), **f32)  # (m, s, w) of each slice of each row
+    logprob_partial_kernel[(triton.cdiv(n_rows, rows_per_program), split)](
+        logits, logits.stride(0), partial, n_rows, n_cols, split, float(inv_temperature),
+        ROWS=rows_per_program, BLOCK_V=block_v, WITH_ENTROPY=with_entropy,
+        LANEWISE=lanewise, PREFETCH=prefetch, num_warps=num_warps, **stages,
+    )
+    combine_rows = 64
+    logprob_combine_kernel[_grid(n_rows, combine_rows)](
+        partial, logits, logits.stride(0), targets, *outputs, n_rows, split, float(inv_temperature),
+        ROWS=combine_rows, SPLIT_BLOCK=triton.next_power_of_2(split),
+        HAS_ALPHA=logp_alpha is not None, WITH_ENTROPY=with_entropy, num_warps=4,
     )
     return logp, lse, entropy, log_ratio
 
@@ -233,18 +406,27 @@ def triton_backward(logits, targets, lse, grad_logp, entropy, grad_entropy, inv_
 
 
 class LogprobImpl:
-    """One backend's (forward, backward) pair with its launch parameters bound."""
+    """One backend's (forward, backward) pair with its launch parameters bound.
 
-    def __init__(self, backend: str, rows_per_program: int = 1, block_v: int = 4096, num_warps: int = 8):
+    rows_per_program, block_v, num_warps: both Triton kernels. split, lanewise, prefetch,
+    num_stages: the forward only (see triton_forward); the defaults are the one-pass block-wise
+    kernel that the GPU measurements were taken with."""
+
+    def __init__(self, backend: str, rows_per_program: int = 1, block_v: int = 4096, num_warps: int = 8, *,
+                 split: int = 1, lanewise: bool = False, prefetch: bool = False, num_stages=None):
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend: must be 'torch' or 'triton', got {backend!r}")
+        if not isinstance(split, int) or isinstance(split, bool) or split < 1:
+            raise ValueError(f"split: must be an integer >= 1 (programs per row), got {split!r}")
         self.backend = backend
         self.launch = dict(rows_per_program=rows_per_program, block_v=block_v, num_warps=num_warps)
+        self.forward_launch = dict(self.launch, split=split, lanewise=bool(lanewise), prefetch=bool(prefetch),
+                                   num_stages=num_stages)
 
     def forward(self, logits, targets, inv_temperature, with_entropy, logp_alpha=None):
         if self.backend == "torch":
             return torch_forward(logits, targets, inv_temperature, with_entropy, logp_alpha)
-        return triton_forward(logits, targets, inv_temperature, with_entropy, logp_alpha, **self.launch)
+        return triton_forward(logits, targets, inv_temperature, with_entropy, logp_alpha, **self.forward_launch)
 
     def backward(self, logits, targets, lse, grad_logp, entropy, grad_entropy, inv_temperature, out):
         if self.backend == "torch":

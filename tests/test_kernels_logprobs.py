@@ -1,6 +1,9 @@
 """kernels.token_logprobs against hand-computed values and a naive torch formula (log_softmax + gather),
 for both backends: "torch" (the CPU path) and "triton" (run by the interpreter, TRITON_INTERPRET=1)."""
+import importlib.util
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import torch
 import kernels
 from kernels import KernelConfig
 
+ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ["torch", "triton"]
 # Small Triton tiles so that several programs and several V-blocks run, with ragged edges.
 SMALL = KernelConfig(rows_per_program=8, block_v=256)
@@ -169,3 +173,113 @@ def test_bad_inputs_name_the_problem(monkeypatch):
 def test_kernel_config_validation(field, value, message):
     with pytest.raises(ValueError, match=message):
         KernelConfig(**{field: value})
+
+
+# --------------------------------------------------------------------------- forward variants
+# kernels/logprobs.py's loop variants (lane-wise accumulators, two-buffer prefetch) and the
+# split-vocabulary kernels, each against torch_forward (the definition). V = 600 in blocks of 64:
+# 10 blocks, so split=3 gives slices of 4, 4, 2 blocks, split=4 of 3, 3, 3, 1 and split=6 leaves the
+# last slice empty; 19 rows in programs of 8; rows at +-1e4 and a row half -inf.
+
+VARIANTS = {
+    "lanewise": dict(lanewise=True),
+    "prefetch": dict(prefetch=True),
+    "lanewise+prefetch": dict(lanewise=True, prefetch=True, num_stages=1),
+    "split3": dict(split=3),
+    "split4 lanewise": dict(split=4, lanewise=True),
+    "split6 lanewise+prefetch": dict(split=6, lanewise=True, prefetch=True),
+}
+TILES = dict(rows_per_program=8, block_v=64, num_warps=4)
+
+
+def variant_inputs(dtype, masked_row=True):
+    torch.manual_seed(3)
+    n_rows, vocab = 19, 600
+    wide = torch.randn(n_rows, vocab + 24) * 4
+    wide[14, 5:5 + vocab] = -1e4
+    wide[14, 5 + 7] = 1e4  # peaked: entropy ~0
+    wide[15, 5:5 + vocab] = 1e4  # flat at +1e4: uniform
+    if masked_row:  # (the naive formula's autograd gives nan on -inf logits: not in the gradient test)
+        wide[16, 5:5 + 300] = float("-inf")  # half the vocabulary masked
+    logits = wide.to(dtype)[:, 5:5 + vocab]  # row stride != V
+    targets = torch.randint(0, vocab, (n_rows,))
+    targets[[3, 10]] = -100  # ignored rows
+    targets[14], targets[16] = 7, 500
+    return logits, targets, torch.randn(n_rows) - 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_forward_variants_match_torch_forward(variant, dtype):
+    from kernels.logprobs import torch_forward, triton_forward
+
+    logits, targets, logp_alpha = variant_inputs(dtype)
+    for with_entropy, alpha in ((True, logp_alpha), (False, None)):
+        got = triton_forward(logits, targets, 1 / 0.7, with_entropy, alpha, **TILES, **VARIANTS[variant])
+        want = torch_forward(logits, targets, 1 / 0.7, with_entropy, alpha)
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if w is not None:
+                assert g.dtype == torch.float32 and torch.isfinite(g).all()
+                torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
+        assert got[0][3] == 0 and got[0][10] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["lanewise+prefetch", "split4 lanewise"])
+def test_forward_variants_through_autograd(variant, dtype):
+    # The backward reads the forward's lse and entropy: a variant's gradients equal the naive formula's.
+    from kernels.logprobs import LogprobImpl, TokenLogprobs
+
+    logits, targets, logp_alpha = variant_inputs(dtype, masked_row=False)
+    logits = logits.detach().requires_grad_()
+    upstream = [torch.randn(logits.shape[0]) for _ in range(3)]
+    impl = LogprobImpl("triton", TILES["rows_per_program"], TILES["block_v"], TILES["num_warps"], **VARIANTS[variant])
+    got = TokenLogprobs.apply(logits, targets, logp_alpha, 1 / 0.7, True, impl)
+    grad = grads_of(got, upstream, logits)
+    x = logits.detach().float().requires_grad_()
+    want = naive(x, targets, 0.7, logp_alpha)
+    want_grad = grads_of(want, upstream, x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(grad, want_grad, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(grad.float(), want_grad, atol=1e-3, rtol=8e-3)
+
+
+def test_split_must_be_a_positive_integer():
+    from kernels.logprobs import LogprobImpl
+
+    with pytest.raises(ValueError, match="split: must be an integer >= 1"):
+        LogprobImpl("triton", split=0)
+
+
+def load_bandwidth_bench():
+    spec = importlib.util.spec_from_file_location("logprob_bandwidth", ROOT / "bench" / "logprob_bandwidth.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bandwidth_bench_smoke(tmp_path):
+    # bench/logprob_bandwidth.py --smoke: every variant through the interpreter, checked against torch.
+    bench = load_bandwidth_bench()
+    assert bench.main(["--smoke", "--out", str(tmp_path / "lp.json")]) == 0
+    report = json.loads((tmp_path / "lp.json").read_text())
+    assert report["failed"] == [] and len(report["cases"]) == 2
+    for case in report["cases"].values():
+        assert set(case["results"]) == {name for name, _ in bench.variants(smoke=True)}
+        for r in case["results"].values():
+            assert r["ok"] and r["seconds"] > 0 and set(r["max_rel_diff"]) >= {"logp", "lse"}
+
+
+def test_bandwidth_bench_flags_a_variant_off_the_reference(tmp_path, monkeypatch):
+    bench = load_bandwidth_bench()
+    monkeypatch.setattr(bench, "variants", lambda smoke: [("block", dict(rows_per_program=2, block_v=64, num_warps=4))])
+    monkeypatch.setattr(bench, "cases", lambda smoke: [(5, 300, torch.float32, False)])
+    reference = bench.torch_forward
+    monkeypatch.setattr(bench, "torch_forward", lambda *a: (reference(*a)[0] - 1e-2,) + reference(*a)[1:])
+    assert bench.main(["--smoke", "--out", str(tmp_path / "lp.json")]) == 1
+    report = json.loads((tmp_path / "lp.json").read_text())
+    assert report["failed"] == ["N=5 V=300 float32 entropy=off: block"]
