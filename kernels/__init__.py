@@ -59,6 +59,11 @@ class KernelConfig:
     rows_per_program: Optional[int] = None  # rows per Triton program; None: 1 on GPU, 16 in the interpreter
     block_v: Optional[int] = None  # vocab columns per Triton tile (power of 2); None: 4096 GPU, 2048 interpreter
     num_warps: int = 8  # warps per Triton program of the log-prob kernels
+    # The log-prob forward's loop. lanewise: running max and sum per lane of the tile, one reduction
+    # after the loop, the next tile loaded while this one is reduced (on an H200: 1.2-1.4x the
+    # block-wise loop in bf16 and on the LM head's 256-row fp32 chunks, 0.96-1.04x on large fp32
+    # batches; docs/benchmarks/gpu-h200.md); blockwise: a max and a sum across the tile every step.
+    forward_loop: Literal["lanewise", "blockwise"] = "lanewise"
     loss_block: int = 1024  # tokens per Triton program of the loss kernel (power of 2)
 
     def __post_init__(self):
@@ -72,6 +77,8 @@ class KernelConfig:
             raise ValueError(f"block_v: must be a power of 2 >= 16, got {self.block_v!r}")
         if self.num_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"num_warps: must be a power of 2 in [1, 32], got {self.num_warps!r}")
+        if self.forward_loop not in ("lanewise", "blockwise"):
+            raise ValueError(f"forward_loop: must be 'lanewise' or 'blockwise', got {self.forward_loop!r}")
         if not _is_pow2(self.loss_block) or self.loss_block < 16:
             raise ValueError(f"loss_block: must be a power of 2 >= 16, got {self.loss_block!r}")
 
@@ -113,8 +120,13 @@ def _logprob_impl(config: KernelConfig, device: torch.device, n_cols: int) -> Lo
         return LogprobImpl("torch")
     on_gpu = device.type == "cuda"
     rows = config.rows_per_program or (1 if on_gpu else 16)
-    block_v = min(config.block_v or (4096 if on_gpu else 2048), max(16, 1 << (n_cols - 1).bit_length()))
-    return LogprobImpl("triton", rows_per_program=rows, block_v=block_v, num_warps=config.num_warps)
+    fits = max(16, 1 << (n_cols - 1).bit_length())
+    block_v = min(config.block_v or (4096 if on_gpu else 2048), fits)
+    lanewise = config.forward_loop == "lanewise"
+    # the lane-wise forward's best tile on an H200 (bench/logprob_bandwidth.py) is 2048 wide
+    forward_block_v = min(config.block_v or (2048 if lanewise else block_v), fits)
+    return LogprobImpl("triton", rows_per_program=rows, block_v=block_v, num_warps=config.num_warps,
+                       forward_block_v=forward_block_v, lanewise=lanewise, prefetch=lanewise)
 
 
 def _check_targets(targets: torch.Tensor, n_rows: int, n_cols: int, what: str):

@@ -21,7 +21,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-GPU_ROWS, GPU_BLOCK_V, GPU_WARPS, GPU_LOSS_BLOCK = 1, 4096, 8, 1024
+GPU_ROWS, GPU_BLOCK_V, GPU_FORWARD_BLOCK_V, GPU_WARPS, GPU_LOSS_BLOCK = 1, 4096, 2048, 8, 1024
 LOGIT_DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 
 
@@ -41,8 +41,8 @@ def variants(only: str | None = None, cover: bool = False) -> list[dict]:
                        "logp_alpha_ptr": "*fp32", "logp_ptr": "*fp32", "lse_ptr": "*fp32",
                        "log_ratio_ptr": "*fp32", "entropy_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32",
                        "inv_temperature": "fp32"}
-                cx = dict(ROWS=GPU_ROWS, BLOCK_V=GPU_BLOCK_V, HAS_ALPHA=has_alpha, WITH_ENTROPY=with_entropy,
-                          LANEWISE=False, PREFETCH=False)
+                cx = dict(ROWS=GPU_ROWS, BLOCK_V=GPU_FORWARD_BLOCK_V, HAS_ALPHA=has_alpha, WITH_ENTROPY=with_entropy,
+                          LANEWISE=True, PREFETCH=True)
                 out.append(dict(kernel="logprob_fwd_kernel", dtype=dtype, signature=sig, constexprs=cx,
                                 num_warps=GPU_WARPS))
             for with_entropy_grad in (False, True):

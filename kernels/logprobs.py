@@ -408,20 +408,21 @@ def triton_backward(logits, targets, lse, grad_logp, entropy, grad_entropy, inv_
 class LogprobImpl:
     """One backend's (forward, backward) pair with its launch parameters bound.
 
-    rows_per_program, block_v, num_warps: both Triton kernels. split, lanewise, prefetch,
-    num_stages: the forward only (see triton_forward); the defaults are the one-pass block-wise
-    kernel that the GPU measurements were taken with."""
+    rows_per_program, block_v, num_warps: both Triton kernels. forward_block_v (default block_v),
+    split, lanewise, prefetch, num_stages: the forward only (see triton_forward); kernels.KernelConfig
+    picks them (its forward_loop)."""
 
     def __init__(self, backend: str, rows_per_program: int = 1, block_v: int = 4096, num_warps: int = 8, *,
-                 split: int = 1, lanewise: bool = False, prefetch: bool = False, num_stages=None):
+                 forward_block_v=None, split: int = 1, lanewise: bool = False, prefetch: bool = False,
+                 num_stages=None):
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend: must be 'torch' or 'triton', got {backend!r}")
         if not isinstance(split, int) or isinstance(split, bool) or split < 1:
             raise ValueError(f"split: must be an integer >= 1 (programs per row), got {split!r}")
         self.backend = backend
         self.launch = dict(rows_per_program=rows_per_program, block_v=block_v, num_warps=num_warps)
-        self.forward_launch = dict(self.launch, split=split, lanewise=bool(lanewise), prefetch=bool(prefetch),
-                                   num_stages=num_stages)
+        self.forward_launch = dict(self.launch, block_v=forward_block_v or block_v, split=split,
+                                   lanewise=bool(lanewise), prefetch=bool(prefetch), num_stages=num_stages)
 
     def forward(self, logits, targets, inv_temperature, with_entropy, logp_alpha=None):
         if self.backend == "torch":

@@ -85,6 +85,11 @@ def test_compiled_variants_cover_what_the_dispatch_picks():
     # Log-prob kernels: the GPU launch defaults of the dispatch are the compiled ones (Qwen vocab).
     impl = kernels._logprob_impl(kernels.KernelConfig(backend="triton"), torch.device("cuda"), 151936)
     assert impl.launch == dict(rows_per_program=aot.GPU_ROWS, block_v=aot.GPU_BLOCK_V, num_warps=aot.GPU_WARPS)
+    forward = {v["constexprs"]["BLOCK_V"] for v in aot.variants("logprob") if v["kernel"] == "logprob_fwd_kernel"}
+    assert forward == {impl.forward_launch["block_v"]}
+    assert impl.forward_launch["lanewise"] and impl.forward_launch["prefetch"]
+    assert {(v["constexprs"]["LANEWISE"], v["constexprs"]["PREFETCH"]) for v in aot.variants("logprob")
+            if v["kernel"] == "logprob_fwd_kernel"} == {(True, True)}
 
 
 def test_covering_subset_has_every_constexpr_value():
