@@ -12,12 +12,12 @@ install:
 # the suite is mostly child processes waiting on each other, and two workers keep both cores busy.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # The tiers (tests/conftest.py gives each test one; their times: README, "Tests").
 # quick: the objective, kernels against their torch references, configs, batching, layouts, in-process.
 test-quick: install
-	$(PY) -m pytest -m quick -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -m quick -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # torchrun: child processes (torchrun ranks and FSDP2 steps, the CLIs, the AOT compiler, pip's resolver).
 test-torchrun: install

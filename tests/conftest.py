@@ -27,16 +27,36 @@ def tier(item) -> str:
     return "quick"
 
 
+# Files whose tests share nothing costly (each starts its own run and server): under pytest-xdist
+# their tests go to whichever worker is free. Every other file runs whole on one worker, so that its
+# module-scoped servers start once.
+SPREAD_FILES = ("test_faults",)
+
+
+@__import__("pytest").hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Every test gets exactly one tier marker (make test-quick / test-torchrun / test-vllm select
     them; `make test` runs all three). Tests marked `last_in_module` (they stop a module-scoped
     server) run after the rest of their module, wherever they are written: a test added below one
-    of them once found the server gone."""
+    of them once found the server gone.
+
+    Order and grouping for `make test` (pytest -n 2 --dist loadgroup --no-loadscope-reorder): the
+    files with a vLLM test first, then those with child processes, then the quick ones, so the two
+    workers start on the longest work and the seconds-long files fill in at the end (by test count,
+    xdist's default order, the 15-minute test_faults.py came last and one worker finished alone)."""
+    import pytest
+
     for item in items:
-        item.add_marker(getattr(__import__("pytest").mark, tier(item)))
+        item.add_marker(getattr(pytest.mark, tier(item)))
+        if item.module.__name__ not in SPREAD_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    heaviest = {}
+    for item in items:
+        heaviest[item.module] = min(heaviest.get(item.module, 2), TIERS[::-1].index(tier(item)))
+
     def key(index_item):
         index, item = index_item
         module_first = next(i for i, other in enumerate(items) if other.module is item.module)
-        return (module_first, item.get_closest_marker("last_in_module") is not None, index)
+        return (heaviest[item.module], module_first, item.get_closest_marker("last_in_module") is not None, index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
