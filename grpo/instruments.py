@@ -24,7 +24,7 @@ import torch
 
 from grpo import staleness
 from grpo.parallel import all_reduce_sum, broadcast_json, on_main_rank
-from grpo.parity import ParityProbe, parity_stats, trainer_logprobs, warn_if_apart
+from grpo.parity import ParityProbe, ParityVersionError, engine_parity, trainer_logprobs
 from grpo.policy import Policy, copy_policy
 from grpo.progress import Progress, alpha_lag
 from grpo.recording import record_batch
@@ -175,20 +175,16 @@ class OffPolicyInstruments:
         outcome = None
         if self.dist.is_main:
             try:
-                scored = self.server.score(self.probe.pairs(), temperature=self.cfg.grpo.temperature,
-                                           top_p=self.cfg.grpo.top_p)
+                stats = engine_parity(self.server, self.probe, trainer, cfg, progress.weights_version,
+                                      self.cfg.grpo.temperature, self.cfg.grpo.top_p)
             except InferenceServerError as e:  # a diagnostic: say it failed, train on
                 print(f"[train] parity probe skipped at weights version {progress.weights_version}: {e}",
                       file=sys.stderr)
                 outcome = {"stats": {}}
+            except ParityVersionError as e:  # every rank stops, none waits for rank 0
+                outcome = {"error": str(e)}
             else:
-                if scored.weights_version != progress.weights_version:  # every rank stops, none waits for rank 0
-                    outcome = {"error": f"parity probe: the server scored with weights version "
-                                        f"{scored.weights_version}, the trainer pushed version {progress.weights_version}"}
-                else:
-                    stats = parity_stats(scored.logprobs, trainer, cfg.threshold)
-                    warn_if_apart(stats, cfg, progress.weights_version)
-                    outcome = {"stats": {**stats, "time_parity": time.time() - t0}}
+                outcome = {"stats": {**stats, "time_parity": time.time() - t0}}
         outcome = broadcast_json(outcome)
         if "error" in outcome:
             raise RuntimeError(outcome["error"])

@@ -194,13 +194,45 @@ def trainer_logprobs(policy, probe: ParityProbe, pad_id: int, device: torch.devi
     return out
 
 
-def warn_if_apart(stats: dict[str, float], cfg: ParityConfig, version: int) -> Optional[str]:
+class ParityVersionError(RuntimeError):
+    """An engine scored the probe with other weights than the trainer pushed."""
+
+
+def engine_parity(server, probe: "ParityProbe", trainer: list[list[float]], cfg: ParityConfig, version: int,
+                  temperature: float, top_p: float = 1.0) -> dict[str, float]:
+    """The probe scored by the engine against the trainer's log-probs of the same weights (version):
+    parity_* (parity_stats). A fleet of several servers (grpo/serving/fleet.py) scores it on every
+    server, since each engine loaded the push on its own: parity_* are server 0's, and
+    fleet_server<r>_parity_* each server's. One warning line per engine past parity.warn_kl.
+    InferenceServerError as the server raises it; ParityVersionError if a server scored with other
+    weights."""
+    each = server.score_each if len(getattr(server, "servers", ())) > 1 else None
+    scored = each(probe.pairs(), temperature=temperature, top_p=top_p) if each else \
+        [server.score(probe.pairs(), temperature=temperature, top_p=top_p)]
+    for r, s in enumerate(scored):
+        if s.weights_version != version:
+            who = f"server {r}" if len(scored) > 1 else "the server"
+            raise ParityVersionError(f"parity probe: {who} scored with weights version {s.weights_version}, "
+                                     f"the trainer pushed version {version}")
+    per_server = [parity_stats(s.logprobs, trainer, cfg.threshold) for s in scored]
+    if len(per_server) == 1:
+        warn_if_apart(per_server[0], cfg, version)
+        return per_server[0]
+    out = dict(per_server[0])
+    for r, stats in enumerate(per_server):
+        warn_if_apart(stats, cfg, version, engine=f"the engine of server {r} ({server.servers[r].url})")
+        out.update({f"fleet_server{r}_{key}": value for key, value in stats.items() if key != "parity_tokens"})
+    return out
+
+
+def warn_if_apart(stats: dict[str, float], cfg: ParityConfig, version: int, engine: str = "the engine"
+                  ) -> Optional[str]:
     """One line on stderr when the engine and the trainer disagree past parity.warn_kl on the same
     weights; returns it (None when quiet)."""
     kl = stats.get("parity_kl")
     if kl is None or not kl > cfg.warn_kl:
         return None
-    line = (f"[train] parity: the engine and the trainer disagree on weights version {version}: KL {kl:.3g} per "
+    line = (f"[train] parity: {engine} and the trainer disagree on weights version {version}: KL {kl:.3g} per "
             f"token > parity.warn_kl {cfg.warn_kl:g} (max |d log p| {stats['parity_max_abs']:.3g}, "
             f"{100 * stats['parity_frac_over']:.1f}% of the scored probe tokens past {cfg.threshold:g}); "
             "docs/offpolicy.md")

@@ -138,6 +138,51 @@ def test_a_push_one_server_refuses_leaves_both_on_the_old_version(fleet, tiny, m
     assert _tokens(fleet.generate(ids, n=1, max_tokens=8, temperature=0.0)) != greedy_old
 
 
+@pytest.mark.vllm
+def test_the_parity_probe_checks_every_server_and_names_the_one_apart(fleet, tiny, capsys):
+    """Each server loads a push on its own, so the probe is scored by each (grpo.parity.engine_parity).
+    Served the trainer's weights, both agree with it; server 1 serving the same version with one
+    matrix perturbed (a load gone wrong on one engine) shows in fleet_server1_parity_* and in one
+    warning naming that server, while parity_* (server 0's, what a one-server run logs) stay quiet.
+    Before, only server 0 was probed. A server scoring another version stops the probe."""
+    from grpo.parity import ParityConfig, ParityProbe, ParityVersionError, engine_parity, trainer_logprobs
+    from grpo.policy import Policy
+    from grpo.rollout import Sample
+    from kernels import KernelConfig
+
+    T, cfg, hf = 0.7, ParityConfig(sequences=4, max_tokens=8), tiny["hf"]
+    version = _push_next(fleet, hf.state_dict())
+    res = fleet.generate(tiny["prompt_ids"], n=4, max_tokens=8, temperature=T, seed=3)
+    batch = [Sample(group=g, prompt_ids=tiny["prompt_ids"][g], completion_ids=c.token_ids, logp_alpha=c.logprobs,
+                    truncated=False) for g, per_prompt in enumerate(res.completions) for c in per_prompt]
+    probe = ParityProbe.draw(batch, cfg, G=4, where={"iteration": 0})
+    trainer = trainer_logprobs(Policy(hf, T, KernelConfig(backend="torch")), probe, pad_id=0,
+                               device=torch.device("cpu"), share_prompts=False)
+    same = engine_parity(fleet, probe, trainer, cfg, version, T)
+    assert same["parity_tokens"] == probe.num_tokens > 0
+    assert same["fleet_server0_parity_max_abs"] == same["parity_max_abs"] < 1e-3
+    assert same["fleet_server1_parity_max_abs"] < 1e-3 and capsys.readouterr().err == ""
+
+    one = "model.layers.1.mlp.down_proj.weight"
+    g = torch.Generator().manual_seed(5)
+    apart_sd = {k: v + 0.05 * torch.randn(v.shape, generator=g) if k == one else v for k, v in hf.state_dict().items()}
+    version += 1
+    fleet.servers[0].push(hf.state_dict(), version, step=version)
+    fleet.servers[1].push(apart_sd, version, step=version)
+    apart = engine_parity(fleet, probe, trainer, cfg, version, T)
+    assert apart["parity_max_abs"] < 1e-3 and apart["parity_frac_over"] == 0.0
+    assert apart["fleet_server1_parity_kl"] > cfg.warn_kl and apart["fleet_server1_parity_max_abs"] > 100 * apart["parity_max_abs"]
+    err = capsys.readouterr().err
+    assert err.count("[train] parity:") == 1 and f"the engine of server 1 ({fleet.servers[1].url})" in err
+
+    fleet.servers[1].push(apart_sd, version + 1, step=version + 1)
+    with pytest.raises(ParityVersionError, match=rf"server 1 scored with weights version {version + 1}, the trainer "
+                                                 rf"pushed version {version}"):
+        engine_parity(fleet, probe, trainer, cfg, version, T)
+    fleet.push(hf.state_dict(), version + 2, step=version + 2)  # one version everywhere again
+    assert fleet.weights_version() == version + 2
+
+
 @pytest.fixture
 def hand_started(tiny, tmp_path):
     """Two servers started by hand with one token, as docs/layouts.md starts them ("Two servers on

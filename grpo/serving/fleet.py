@@ -49,8 +49,10 @@ from grpo.serving.client import GenerationResult, InferenceServerError, ScoreRes
 from grpo.serving.inference import InferenceServer, ServerConfig
 
 metrics.declare("fleet_server*", "time", "with several inference servers (server.replicas or server.urls): "
-                "fleet_server<r>_groups, the batch's groups server r sampled (groups g with g mod R = r), and "
-                "fleet_server<r>_seconds, its generate time ([layouts.md](layouts.md#a-fleet-of-servers))")
+                "fleet_server<r>_groups, the batch's groups server r sampled (groups g with g mod R = r), "
+                "fleet_server<r>_seconds, its generate time, and after a probed push fleet_server<r>_parity_*, "
+                "the parity probe scored by server r alone (grpo/parity.py; parity_* are server 0's) "
+                "([layouts.md](layouts.md#a-fleet-of-servers))")
 
 
 class FleetPushError(InferenceServerError):
@@ -168,8 +170,13 @@ class ServerFleet:
 
     def score(self, sequences: list[tuple[list[int], list[int]]], temperature: float, top_p: float = 1.0,
               top_k: int = -1) -> ScoreResult:
-        """Server 0 scores (the parity probe compares one engine with the trainer, push after push)."""
+        """Server 0 scores (what a one-server run's callers ask)."""
         return self.servers[0].score(sequences, temperature, top_p, top_k)
+
+    def score_each(self, sequences: list[tuple[list[int], list[int]]], temperature: float, top_p: float = 1.0,
+                   top_k: int = -1) -> list[ScoreResult]:
+        """Every server scores the same sequences, at once (the parity probe checks each engine)."""
+        return self._raise_first(self._each(lambda r, s: s.score(sequences, temperature, top_p, top_k)))
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int, step: int) -> dict:
         """alpha <- these weights on every server, or on none (FleetPushError; see the module's
