@@ -233,8 +233,10 @@ def step_parity(args) -> dict:
 
 
 def step_bench_kernels(args) -> dict:
-    """bench/kernels.py (LM head a-d, loss kernel vs torch objective), and the log-prob kernel's
-    achieved HBM bandwidth as a fraction of the device's nominal peak."""
+    """bench/kernels.py (LM head a-d, loss kernel vs torch objective), and the bytes of logits per
+    second read through kernels.token_logprobs as a fraction of the device's nominal HBM peak: the
+    call as a caller pays it, host time included (its check of the targets reads one number back);
+    bench/logprob_bandwidth.py times the kernel alone, with CUDA events."""
     import torch
 
     import kernels
