@@ -13,7 +13,9 @@ import errno
 import hashlib
 import mmap
 import os
+import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -157,3 +159,52 @@ def hash_file(path: str | os.PathLike, algo: str = "sha256", threads: int = 1) -
     finally:
         os.close(fd)
     return hasher.hexdigest()
+
+
+# grpo-<kind>-[<name>-]p<owner pid>s<its start time>-<mkdtemp's 8 random characters>
+def _owned_name(kind: str) -> re.Pattern:
+    return re.compile(rf"^grpo-{re.escape(kind)}-(?:.+-)?p(\d+)s(\d+)-[a-z0-9_]{{8}}$")
+
+
+def process_started(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks after boot; 0 where /proc does not say), None if there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc here: the pid alone says whether it runs
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name's ")"
+
+
+def owned_dir(parent: Path, kind: str, name: str = "") -> Path:
+    """A fresh directory under `parent` only this user can read, named after its owner (this process
+    and when it started): grpo-<kind>-[<name>-]p<pid>s<start>-XXXXXXXX. What a SIGKILLed process
+    leaves there is reclaimed by the next call for the same kind (reclaim_owned), before it makes its own."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    reclaim_owned(parent, kind)
+    pid = os.getpid()
+    named = f"{name}-" if name else ""
+    return Path(tempfile.mkdtemp(prefix=f"grpo-{kind}-{named}p{pid}s{process_started(pid) or 0}-", dir=parent))
+
+
+def reclaim_owned(parent: Path, kind: str) -> list[Path]:
+    """Remove the owned_dir directories of `kind` under `parent` whose owner process is gone (not
+    running, or its pid now another process's); only this user's own directories, never a link."""
+    gone, pattern = [], _owned_name(kind)
+    for p in Path(parent).iterdir():
+        match = pattern.match(p.name)
+        if match is None or p.is_symlink() or not p.is_dir() or p.lstat().st_uid != os.getuid():
+            continue
+        started = process_started(int(match[1]))
+        if started is None or started not in (0, int(match[2])):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone

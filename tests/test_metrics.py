@@ -253,3 +253,59 @@ def test_other_ranks_do_nothing(tmp_path):
     bar.set_postfix(reward="0.5")
     logger.close()
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.torchrun  # a child process, SIGKILLed
+def test_a_killed_runs_wandb_sockets_stay_in_its_own_directory_which_the_next_start_reclaims(tmp_path):
+    """W&B's service and its system monitor put a socket in TMPDIR (wandb_symon-*.sock) that a
+    SIGKILLed run left there, one per kill (the long chaos soak counted 17). The logger now gives
+    them a directory of its own (grpo-wandb-p<pid>s<start>-*), removed by close() and, after a
+    kill, by the next logger's start, whose own directory goes at its close."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import shutil
+    import tempfile
+
+    temp = Path(tempfile.mkdtemp(prefix="gw", dir="/tmp"))  # short: a Unix socket's path has <= 107 bytes
+    child = ("import sys, time; from pathlib import Path; from grpo.metrics import LogConfig, MetricsLogger; "
+             "MetricsLogger(LogConfig(wandb_mode='offline'), Path(sys.argv[1]), {}, rank=0); "
+             "print('up', flush=True); time.sleep(120)")
+    env = {**os.environ, "TMPDIR": str(temp), "WANDB_MODE": "offline",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-c", child, str(tmp_path / "killed")], env=env, stdout=subprocess.PIPE,
+                            stderr=open(tmp_path / "child.err", "wb"), start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == b"up"
+        deadline = time.time() + 60
+        while time.time() < deadline and not list(temp.glob("grpo-wandb-p*/wandb_symon-*.sock")):
+            time.sleep(0.2)
+        sockets = list(temp.glob("grpo-wandb-p*/wandb_symon-*.sock"))
+        assert sockets, (sorted(p.name for p in temp.rglob("*")), (tmp_path / "child.err").read_text()[-3000:])
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    time.sleep(1)  # the service's processes see their parent gone
+    assert not list(temp.glob("wandb_symon-*")), sorted(p.name for p in temp.iterdir())  # none in TMPDIR itself
+    assert sockets[0].parent.is_dir()  # left by the kill
+
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(temp)
+    saved_tempdir, tempfile.tempdir = tempfile.tempdir, None  # gettempdir() reads TMPDIR again
+    try:
+        logger = MetricsLogger(LogConfig(wandb_mode="offline"), tmp_path / "next", {}, rank=0)
+        assert not sockets[0].parent.exists()  # the killed run's directory, reclaimed at this start
+        own = list(temp.glob("grpo-wandb-p*"))
+        assert len(own) == 1
+        logger.close()
+        assert not own[0].exists() and not list(temp.glob("wandb_symon-*"))
+    finally:
+        tempfile.tempdir = saved_tempdir
+        shutil.rmtree(temp, ignore_errors=True)
+        if old is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old

@@ -19,11 +19,9 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 import secrets
 import shutil
 import sys
-import tempfile
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ import torch
 
 from grpo.cpu import CPUConfig
 from grpo.cpu.bf16 import multiplies_bf16
+from grpo.fsutil import owned_dir
 from grpo.serving.client import (GenerationResult, InferenceClient, InferenceServerError, ScoreResult,
                                  ServerUnavailableError)
 from grpo.serving.fingerprint import fingerprint_mismatches, pushed_moments, unseen_by_fingerprint
@@ -166,51 +165,12 @@ def serving_dtype(cfg: ServerConfig, model_dir: str | os.PathLike, on_cpu: bool 
     return dtype
 
 
-# grpo-weights-<run>-p<owner pid>s<its start time>-<mkdtemp's 8 random characters>
-_ROOT_NAME = re.compile(r"^grpo-weights-.+-p(\d+)s(\d+)-[a-z0-9_]{8}$")
-
-
-def _started(pid: int) -> Optional[int]:
-    """When process `pid` started (clock ticks after boot; 0 where /proc does not say), None if there is none."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    except OSError:  # no /proc here: the pid alone says whether it runs
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return 0
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command name's ")"
-
-
 def _private_root(parent: Path, name: str) -> Path:
     """A fresh directory only this user can read, with an unpredictable name: another local user
     can neither plant weights in it nor swap it for a symlink before the server loads from it.
     Its name holds its owner (this process and when it started): the roots of owners that are gone
     (a SIGKILLed run: gigabytes of RAM each in /dev/shm) are reclaimed here, before a new one is made."""
-    parent.mkdir(parents=True, exist_ok=True)
-    reclaim_roots(parent)
-    return Path(tempfile.mkdtemp(prefix=f"grpo-weights-{name}-p{os.getpid()}s{_started(os.getpid()) or 0}-",
-                                 dir=parent))
-
-
-def reclaim_roots(parent: Path) -> list[Path]:
-    """Remove the weights roots under `parent` whose owner process is gone (not running, or its pid
-    now another process's); only this user's own directories, never a link. Returns them."""
-    gone = []
-    for p in parent.iterdir():
-        match = _ROOT_NAME.match(p.name)
-        if match is None or p.is_symlink() or not p.is_dir() or p.lstat().st_uid != os.getuid():
-            continue
-        started = _started(int(match[1]))
-        if started is None or started not in (0, int(match[2])):
-            shutil.rmtree(p, ignore_errors=True)
-            gone.append(p)
-    return gone
+    return owned_dir(parent, "weights", name)
 
 
 def _default_parent(run_dir: Path, need_bytes: int, keep_last: int) -> Path:
