@@ -79,24 +79,37 @@ def test_the_soak_sees_a_step_twice_a_changed_number_a_changed_batch_and_a_lefto
     assert soak.problems == ["a temporary file or directory is left in the run: checkpoints/step_4.tmp"]
 
 
-def test_a_process_that_exits_while_the_tree_is_walked_is_not_known_without_a_role(tmp_path):
+def test_a_process_that_exits_while_the_tree_is_walked_is_not_known_without_a_role(tmp_path, monkeypatch):
     """A process can end between the listing of torchrun's tree and the look at its command line
-    (here a zombie, whose command line psutil cannot read). The walk used to keep it without a role,
-    and the next look for a role ended the whole long soak with a KeyError."""
-    attempt = chaos_soak.Attempt(0, ["sh", "-c", "sleep 0 & exec sleep 60"], {"PATH": "/usr/bin:/bin"},
+    (psutil then raises NoSuchProcess). The walk used to keep it without a role, and the next look
+    for a role ended the whole long soak with a KeyError at its 10th fault. The race is made certain
+    here: the look at the child's command line finds it gone."""
+    attempt = chaos_soak.Attempt(0, ["sh", "-c", "sleep 60 & wait"], {"PATH": "/usr/bin:/bin"},
                                  tmp_path / "attempt.log", tmp_path / "run", resumed=False)
     try:
         top = chaos_soak.psutil.Process(attempt.proc.pid)
-        for _ in range(500):  # until the unreaped child is a zombie
-            if any(c.status() == chaos_soak.psutil.STATUS_ZOMBIE for c in top.children()):
+        for _ in range(500):  # until sh has started its child
+            if top.children():
                 break
             chaos_soak.time.sleep(0.01)
         else:
-            pytest.fail("the child never became a zombie")
+            pytest.fail("the child never started")
+        real_role_of = chaos_soak.role_of
+
+        def gone_while_read(p, torchrun_pid):
+            if p.pid != torchrun_pid:
+                raise chaos_soak.psutil.NoSuchProcess(p.pid)
+            return real_role_of(p, torchrun_pid)
+
+        monkeypatch.setattr(chaos_soak, "role_of", gone_while_read)
         attempt.walk(force=True)
-        assert attempt.live("server") == []
+        assert attempt.live("server") == []  # a KeyError before
         assert set(attempt.known) == set(attempt.roles)
         assert [attempt.roles[k] for k in attempt.known] == ["torchrun"]
     finally:
-        attempt.proc.kill()
+        for p in [attempt.proc.pid, *(c.pid for c in chaos_soak.psutil.Process(attempt.proc.pid).children())]:
+            try:
+                chaos_soak.os.kill(p, 9)
+            except ProcessLookupError:
+                pass
         attempt.proc.wait()
