@@ -50,7 +50,7 @@ from grpo.objective import (all_reduce_stats, contributing, finalize_stats, loca
 from grpo.optim import build_optimizer, build_scheduler
 from grpo.parallel import (EXIT_LOST_RANK, DistInfo, all_reduce_max, all_reduce_sum, broadcast_json,
                            close_distributed, device_memory_bytes, gather_full_state_dict, gradient_sync_plan,
-                           init_distributed, launch_env, lost_rank, on_lost_rank, on_main_rank, shard_model,
+                           init_distributed, launch_env, lost_rank, on_lost_rank, on_main_rank, say, shard_model,
                            stop_watchdog)
 from grpo.policy import ObjectiveInputs, Policy, copy_policy
 from grpo.progress import Progress
@@ -691,7 +691,7 @@ def stopped_by_lost_rank(error: Exception) -> int:
     line = lost_rank(error)
     if line is None:
         raise error
-    print(line, file=sys.stderr)
+    say(line)
     return EXIT_LOST_RANK
 
 

@@ -260,18 +260,27 @@ class RankWatchdog:
         self._found.set()
         if self._claimed.wait(self.grace_s):
             return  # the main thread ends the run (or it was closing anyway)
-        print(lost_rank_line(self.rank, verdict), file=sys.stderr, flush=True)
+        say(lost_rank_line(self.rank, verdict))
         for cleanup in self._cleanups:
             try:
                 cleanup()
             except Exception as e:  # noqa: BLE001 - the process ends either way
-                print(f"[grpo] rank {self.rank}: cleanup after a lost rank failed: {e}", file=sys.stderr, flush=True)
+                say(f"[grpo] rank {self.rank}: cleanup after a lost rank failed: {e}")
         sys.stdout.flush()
         os._exit(EXIT_LOST_RANK)
 
 
 _WATCH_KEY = "grpo/watchdog"
 _watchdog: Optional[RankWatchdog] = None
+
+
+def say(line: str) -> None:
+    """`line` on stderr on a line of its own. Rank 0's progress bar (grpo.metrics) leaves stderr in
+    the middle of a line; tqdm.write takes the bar off that line first and draws it again below."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def lost_rank_line(rank: int, verdict: str) -> str:
