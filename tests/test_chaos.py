@@ -84,6 +84,16 @@ def test_a_process_that_exits_while_the_tree_is_walked_is_not_known_without_a_ro
     (psutil then raises NoSuchProcess). The walk used to keep it without a role, and the next look
     for a role ended the whole long soak with a KeyError at its 10th fault. The race is made certain
     here: the look at the child's command line finds it gone."""
+    real_role_of = chaos_soak.role_of
+
+    def gone_while_read(p, torchrun_pid):
+        if p.pid != torchrun_pid:
+            raise chaos_soak.psutil.NoSuchProcess(p.pid)
+        return real_role_of(p, torchrun_pid)
+
+    # before the attempt starts: its first walk may already find the child (and once found with a
+    # role, a child stays known, which is not the race this test is about)
+    monkeypatch.setattr(chaos_soak, "role_of", gone_while_read)
     attempt = chaos_soak.Attempt(0, ["sh", "-c", "sleep 60 & wait"], {"PATH": "/usr/bin:/bin"},
                                  tmp_path / "attempt.log", tmp_path / "run", resumed=False)
     try:
@@ -94,14 +104,6 @@ def test_a_process_that_exits_while_the_tree_is_walked_is_not_known_without_a_ro
             chaos_soak.time.sleep(0.01)
         else:
             pytest.fail("the child never started")
-        real_role_of = chaos_soak.role_of
-
-        def gone_while_read(p, torchrun_pid):
-            if p.pid != torchrun_pid:
-                raise chaos_soak.psutil.NoSuchProcess(p.pid)
-            return real_role_of(p, torchrun_pid)
-
-        monkeypatch.setattr(chaos_soak, "role_of", gone_while_read)
         attempt.walk(force=True)
         assert attempt.live("server") == []  # a KeyError before
         assert set(attempt.known) == set(attempt.roles)
