@@ -139,6 +139,10 @@ def init_distributed(device: torch.device | str = "cpu", timeout_s: float = Para
     if _watchdog is None and dist.get_world_size() > 1:
         _watchdog = RankWatchdog(dist.get_rank(), dist.get_world_size(), heartbeat_timeout_s)
         _watchdog.start()
+        if threading.current_thread() is threading.main_thread():
+            # torchrun SIGTERMs every rank when one fails. Until the run sets its own handler (train.py's
+            # StopFlag, after start-up), that signal would end this rank before the watch names the peer.
+            signal.signal(signal.SIGTERM, _watchdog.name_the_lost_rank_then_end)
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]), device)
 
 
@@ -177,6 +181,7 @@ class RankWatchdog:
         self._found = threading.Event()  # a verdict was reached
         self._claimed = threading.Event()  # the main thread handles the end (or the run is closing)
         self._stopped = threading.Event()
+        self._wake = threading.Event()  # beat now, not at the end of the interval
         self._thread = threading.Thread(target=self._watch, name="rank-watchdog", daemon=True)
 
     def start(self) -> None:
@@ -198,9 +203,21 @@ class RankWatchdog:
         self._found.wait(wait_s)
         return self._verdict
 
+    def name_the_lost_rank_then_end(self, signum: int, _frame) -> None:
+        """A SIGTERM handler for start-up: when a lost peer is why this rank is stopped (torchrun
+        stops the others when one dies), print the line naming it within two beats and end the rank
+        with EXIT_LOST_RANK; otherwise end as the signal would have."""
+        self._wake.set()
+        verdict = self.claim(2 * self.interval_s + 1.0)
+        if verdict:
+            self._end(verdict)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
     def stop(self) -> None:
         self._claimed.set()
         self._stopped.set()
+        self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.grace_s + 5)
         self._store = None  # closes the connection
@@ -212,7 +229,11 @@ class RankWatchdog:
         seen = {r: (None, time.monotonic()) for r in peers}  # rank -> (its last count, when it last moved)
         who: dict[int, dict] = {}  # rank -> its host and process (_this_process)
         store_ok = time.monotonic()
-        while not self._stopped.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stopped.is_set():
+                return
             now = time.monotonic()
             try:  # a few round trips a beat, whatever the world size
                 self._store.add(f"{_WATCH_KEY}/beat/{self.rank}", 1)
@@ -260,6 +281,9 @@ class RankWatchdog:
         self._found.set()
         if self._claimed.wait(self.grace_s):
             return  # the main thread ends the run (or it was closing anyway)
+        self._end(verdict)
+
+    def _end(self, verdict: str) -> None:
         say(lost_rank_line(self.rank, verdict))
         for cleanup in self._cleanups:
             try:

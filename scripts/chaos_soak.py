@@ -63,6 +63,9 @@ POLL_S = 0.01  # how often the run's files and the engine's CPU time are looked 
 TREE_EVERY_S = 0.5  # how often its process tree is walked (psutil scans every process)
 GONE_WITHIN_S = 90.0  # a killed attempt's processes, or a killed server's, must all be gone by then
 STOP_WITHIN_S = 120.0  # a rank's death must end the attempt by then (the run's lost-rank bound)
+# rank 0's first line once every rank is in the process group: before it, a dead rank cannot be
+# named by the others (they wait in the group's rendezvous, or have not started), only by torchrun
+GROUP_FORMED = "[train] gradients reduce-scattered after"
 
 
 def run_overrides(stages: int, iterations: int) -> list[str]:
@@ -86,6 +89,7 @@ class Fault:
     seen: str = ""  # what the driver observed when it fired (the moment's evidence)
     stop_s: Optional[float] = None  # a fault that ends the run: seconds until torchrun exited
     lost_rank_line: str = ""  # a rank's death: the line that named it
+    group_formed: bool = True  # a rank's death: the process group had formed when it came (GROUP_FORMED)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -168,6 +172,13 @@ class Attempt:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
+
+
+def torchrun_root_cause(log: str) -> Optional[int]:
+    """The rank torchrun's failure report names as its root cause (the first rank that failed)."""
+    _, found, after = log.partition("Root Cause (first observed failure):")
+    match = re.search(r"^\s*rank\s*:\s*(\d+)", after, re.MULTILINE) if found else None
+    return int(match.group(1)) if match else None
 
 
 def role_of(p: psutil.Process, torchrun_pid: int) -> str:
@@ -461,6 +472,7 @@ class Soak:
         fault.attempt, fault.at_s, fault.seen = attempt.index, attempt.seconds(), evidence
         steps = attempt.step_log.steps()
         fault.step = steps[-1] if steps else 0
+        fault.group_formed = GROUP_FORMED in attempt.log_text()
         victims = [*target, *self.children(target[0])]  # a server's engine dies with it: looked up before
         if fault.kind == "torchrun":  # the whole job at once: torchrun, the ranks, the server, its engine, the rest
             attempt.walk(force=True)
@@ -491,8 +503,12 @@ class Soak:
             self.problems.append(f"{fault.kind} at {fault.moment} (attempt {attempt.index}): torchrun still running "
                                  f"{STOP_WITHIN_S:.0f} s after the fault")
         if fault.kind in ("rank0", "rank1"):
-            lost = [line for line in attempt.log_text().splitlines() if f"lost rank {fault.kind[-1]}" in line]
-            fault.lost_rank_line = lost[0][:300] if lost else ""
+            log = attempt.log_text()
+            lost = [line for line in log.splitlines() if f"lost rank {fault.kind[-1]}" in line]
+            if lost:
+                fault.lost_rank_line = lost[0][:300]
+            elif not fault.group_formed and torchrun_root_cause(log) == int(fault.kind[-1]):
+                fault.lost_rank_line = f"torchrun's Root Cause: rank {fault.kind[-1]} (before the process group formed)"
         self.reap(attempt)
 
     def reap(self, attempt: Attempt) -> None:
@@ -649,6 +665,9 @@ class Soak:
         stops = [f.stop_s for f in self.faults if f.stop_s is not None and f.kind in ("rank0", "rank1")]
         if stops:
             print(f"  a killed rank ended its attempt within {max(stops):.1f} s (median {sorted(stops)[len(stops) // 2]:.1f} s)")
+        by_torchrun = [f for f in self.faults if f.lost_rank_line.startswith("torchrun")]
+        if by_torchrun:
+            print(f"  {len(by_torchrun)} rank kills came before the process group formed: named by torchrun's report")
         unnamed = [f for f in self.faults if f.kind in ("rank0", "rank1") and not f.lost_rank_line]
         for f in unnamed:
             self.problems.append(f"{f.kind} killed at {f.moment} (attempt {f.attempt}): no line named the lost rank")

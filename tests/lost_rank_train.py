@@ -7,6 +7,8 @@ inside:N   at step N rank 1 waits inside a collective (the first all-gather of i
            SIGKILLed there after 1 s
 outside:N  at step N rank 1 is SIGKILLed outside any collective (1 s into a pause of its own) while
            rank 0 waits for it inside one
+setup      in start-up, once the process group is up, rank 1 is SIGKILLed 1 s into loading the
+           tokenizer while rank 0 is busy there (a 60 s pause, as starting the server keeps it)
 A hung rank needs no help: the test stops it with SIGSTOP from outside.
 """
 import os
@@ -38,7 +40,20 @@ def sgd_iteration(*args, **kwargs):
     return real_sgd_iteration(*args, **kwargs)
 
 
+real_load_tokenizer = train.load_tokenizer
+
+
+def load_tokenizer(*args, **kwargs):
+    if where == "setup":
+        if rank == 1:
+            print("[lost_rank_train] rank 1 dies in 1 s, in start-up", file=sys.stderr, flush=True)
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        time.sleep(60)
+    return real_load_tokenizer(*args, **kwargs)
+
+
 train.sgd_iteration = sgd_iteration
+train.load_tokenizer = load_tokenizer
 
 if __name__ == "__main__":
     sys.exit(train.main())

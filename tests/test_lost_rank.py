@@ -229,6 +229,25 @@ def test_a_rank_killed_inside_a_collective_stops_its_busy_peer_within_seconds(re
 
 
 @pytest.mark.torchrun
+def test_a_rank_killed_in_start_up_is_named_by_the_rank_torchrun_stops(recorded):
+    """Rank 1 dies in start-up, after the process group formed, while rank 0 is busy loading (as
+    starting the server keeps it). torchrun sees the death first and SIGTERMs rank 0 at once: before,
+    rank 0 ended there with no line (the run's SIGTERM handling starts after start-up), and only
+    torchrun's own report named the rank. Now rank 0 names it and ends with EXIT_LOST_RANK."""
+    base, model_dir = recorded
+    proc = start(base, model_dir, "setup", "parallel.heartbeat_timeout_s=10", lost="setup:0")
+    seconds, out = stop_time(proc, rank_process(proc, 1), limit_s=25)
+    assert own_line(out, "[grpo] rank 0: lost rank 1 (its process"), out[-3000:]
+    assert "exitcode  : 75" in out, out[-3000:]
+    assert seconds < 10, (seconds, out[-3000:])
+    # the soak reads torchrun's report for a rank lost before the group formed (scripts/chaos_soak.py)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import chaos_soak
+
+    assert chaos_soak.torchrun_root_cause(out) == 1, out[-3000:]
+
+
+@pytest.mark.torchrun
 def test_a_rank_killed_outside_collectives_before_the_first_checkpoint(recorded, uninterrupted):
     """Rank 1 dies outside any collective in step 1 while rank 0 waits for it in one: rank 0's
     collective fails at once and it prints one line naming rank 1 instead of gloo's traceback. No
