@@ -186,6 +186,11 @@ def test_tasks_queued_behind_a_stuck_one_are_rescored():
 
 
 def test_killed_worker_is_replaced(scorer):
+    """A worker that dies while it serves (crash, OOM kill) is replaced and its tasks rescored. One
+    that dies before it is ready ends the scoring instead (the pool cannot tell a broken set-up from
+    a kill), so the victim must be ready first: alone, or first in its file, this test used to kill
+    a worker still importing math-verify."""
+    scorer.wait_ready()
     victim = scorer.pool._workers[0].process
     victim.kill()
     victim.wait()

@@ -298,27 +298,48 @@ def test_a_score_whose_client_hung_up_stops_and_lets_the_next_push_through(serve
     delayed the next push by 44 s."""
     from grpo.serving.client import SCORE_MAX_TOKENS
 
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
     version = _push_next(server, _perturbed(tiny["hf"], seed=23))
     prompt = tiny["prompt_ids"][0]
-    sequences = 6  # of 100 tokens: some seconds on a CPU; more where the engine is faster
+    # The largest request allowed scores in under a second on a free 2-core machine, so the work to
+    # abandon is k of them at once, k grown until they take more than 4 s together.
+    body = {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
+                                                                               for t in range(100)]}
+                          for j in range(SCORE_MAX_TOKENS // 100)], "temperature": 1.0}
+    headers = dict(server.client._session.headers)  # its token
+
+    def post(timeout):
+        try:
+            requests.post(server.client.url + "/grpo/score", json=body, headers=headers, timeout=timeout
+                          ).raise_for_status()
+            return "answered"
+        except requests.ReadTimeout:
+            return "hung up"
+
+    def together(k: int, timeout=None) -> list[str]:
+        with ThreadPoolExecutor(k) as pool:
+            return list(pool.map(lambda _: post(timeout), range(k)))
+
+    post(None)  # after a push the first request is slower
+    k = 1
     while True:
-        body = {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
-                                                                                   for t in range(100)]}
-                              for j in range(sequences)], "temperature": 1.0}
         t0 = time.monotonic()
-        server.client.request("POST", "/grpo/score", json_body=body)
-        whole = time.monotonic() - t0  # what the request takes when its client waits
-        if whole > 4 or sequences == SCORE_MAX_TOKENS // 100:
+        assert together(k) == ["answered"] * k
+        whole = time.monotonic() - t0  # what the requests take when their clients wait
+        if whole > 4 or k == 64:
             break
-        sequences = min(int(sequences * 5 / whole) + 1, SCORE_MAX_TOKENS // 100)
-    assert whole > 4, f"{sequences * 100} positions take {whole:.1f} s: too short to tell a stopped request from a done one"
-    with pytest.raises(ServerUnavailableError, match="no answer within"):
-        server.client.request("POST", "/grpo/score", json_body=body, timeout=1.0, retry=False)  # hangs up after 1 s
+        k = min(int(k * 5 / whole) + 1, 64)
+    assert whole > 4, f"{k} requests of {SCORE_MAX_TOKENS} tokens take {whole:.1f} s: too short to tell stopped from done"
+    assert together(k, timeout=1.0) == ["hung up"] * k  # every client hangs up after 1 s
     t1 = time.monotonic()
     assert server.push(_perturbed(tiny["hf"], seed=24), version + 1, step=1)["version"] == version + 1
     waited = time.monotonic() - t1
-    print(f"score of {sequences * 100} positions: {whole:.2f} s; a push after hanging up on it at 1 s: {waited:.2f} s")
-    assert waited < whole / 2, f"the push waited {waited:.1f} s behind an abandoned request of {whole:.1f} s"
+    print(f"{k} scores of {SCORE_MAX_TOKENS} tokens: {whole:.2f} s; a push after hanging up on them at 1 s: "
+          f"{waited:.2f} s")
+    assert waited < whole / 2, f"the push waited {waited:.1f} s behind abandoned requests of {whole:.1f} s"
     t2 = time.monotonic()  # and the engine is free: a small request is answered at once
     assert len(server.score([(prompt, [7, 8, 9])], temperature=1.0).logprobs[0]) == 3
     assert time.monotonic() - t2 < whole / 2
