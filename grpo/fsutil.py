@@ -162,8 +162,19 @@ def hash_file(path: str | os.PathLike, algo: str = "sha256", threads: int = 1) -
 
 
 # grpo-<kind>-[<name>-]p<owner pid>s<its start time>-<mkdtemp's 8 random characters>
-def _owned_name(kind: str) -> re.Pattern:
-    return re.compile(rf"^grpo-{re.escape(kind)}-(?:.+-)?p(\d+)s(\d+)-[a-z0-9_]{{8}}$")
+_OWNED_NAME = re.compile(r"^grpo-([a-z]+)-(?:.+-)?p(\d+)s(\d+)-[a-z0-9_]{8}$")
+
+
+def owned_kind(name: str) -> Optional[str]:
+    """The kind of an owned_dir directory named `name` ("weights", "wandb"), None for any other name."""
+    match = _OWNED_NAME.match(name)
+    return match[1] if match else None
+
+
+def owner_gone(name: str) -> bool:
+    """The process that made owned_dir directory `name` is gone (not running, or its pid now another process's)."""
+    _, pid, started = _OWNED_NAME.match(name).groups()
+    return process_started(int(pid)) not in (0, int(started))
 
 
 def process_started(pid: int) -> Optional[int]:
@@ -198,13 +209,11 @@ def owned_dir(parent: Path, kind: str, name: str = "") -> Path:
 def reclaim_owned(parent: Path, kind: str) -> list[Path]:
     """Remove the owned_dir directories of `kind` under `parent` whose owner process is gone (not
     running, or its pid now another process's); only this user's own directories, never a link."""
-    gone, pattern = [], _owned_name(kind)
+    gone = []
     for p in Path(parent).iterdir():
-        match = pattern.match(p.name)
-        if match is None or p.is_symlink() or not p.is_dir() or p.lstat().st_uid != os.getuid():
+        if owned_kind(p.name) != kind or p.is_symlink() or not p.is_dir() or p.lstat().st_uid != os.getuid():
             continue
-        started = process_started(int(match[1]))
-        if started is None or started not in (0, int(match[2])):
+        if owner_gone(p.name):
             shutil.rmtree(p, ignore_errors=True)
             gone.append(p)
     return gone

@@ -713,21 +713,16 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-OWNED = re.compile(r"^(grpo-[a-z]+-(?:.+-)?)p(\d+)s(\d+)-[a-z0-9_]{8}$")  # grpo.fsutil.owned_dir's names
-
-
 def temp_kinds(tmp: Path) -> dict[str, list[str]]:
     """The entries of a TMPDIR by kind: their names with random parts (uuids, hex, mkdtemp's suffix) as *.
     A directory of a process that still runs (grpo.fsutil.owned_dir: W&B's) is in use, not left."""
-    from grpo.fsutil import process_started
+    from grpo.fsutil import owned_kind, owner_gone
 
     kinds = collections.defaultdict(list)
     for p in sorted(tmp.iterdir()) if tmp.is_dir() else []:
-        owned = OWNED.match(p.name)
-        if owned and process_started(int(owned[2])) in (0, int(owned[3])):
-            continue
-        if owned:
-            kinds[f"{owned[1]}p*s*-*"].append(p.name)
+        if owned_kind(p.name):
+            if owner_gone(p.name):
+                kinds[f"grpo-{owned_kind(p.name)}-*p*s*-*"].append(p.name)
             continue
         kind = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "*", p.name)
         kind = re.sub(r"[0-9a-f]{16,}", "*", kind)
