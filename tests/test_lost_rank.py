@@ -29,6 +29,10 @@ from grpo.rollout import Rollout, Sample
 from tiny_models import make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import chaos_soak  # noqa: E402
+
 COMMON = ["grpo.S=1", "grpo.M=4", "grpo.i=2", "grpo.v=2", "checkpoint.every=2", "log.wandb_mode=disabled",
           "log.sample_table_every=0"]
 STEPS = list(range(1, 9))
@@ -241,9 +245,6 @@ def test_a_rank_killed_in_start_up_is_named_by_the_rank_torchrun_stops(recorded)
     assert "exitcode  : 75" in out, out[-3000:]
     assert seconds < 10, (seconds, out[-3000:])
     # the soak reads torchrun's report for a rank lost before the group formed (scripts/chaos_soak.py)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import chaos_soak
-
     assert chaos_soak.torchrun_root_cause(out) == 1, out[-3000:]
 
 
