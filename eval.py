@@ -36,6 +36,7 @@ from grpo.config import ConfigError, apply_overrides, load_config, save_config
 from grpo.cpu import CPUConfig
 from grpo.data import DataConfig, DataError, load_problems
 from grpo.evaluation import EvalConfig, evaluate
+from grpo.fsutil import own_temp_dir
 from grpo.layout import LayoutError, plan_layout, visible_gpus
 from grpo.models import ModelPathError, resolve_model_path
 from grpo.rewards import RewardConfig, RewardScorer
@@ -226,4 +227,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with own_temp_dir():  # its temporary files and its server's: reclaimed after a kill
+        code = main()
+    sys.exit(code)

@@ -39,7 +39,7 @@ from grpo.cpu import tune_trainer
 from grpo.cpu.bf16 import multiplies_bf16
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
 from grpo.evaluation import evaluate
-from grpo.fsutil import NoSpaceError
+from grpo.fsutil import NoSpaceError, own_temp_dir
 from grpo.instruments import OffPolicyInstruments, StalenessSplit
 from grpo.kernel_dispatch import check_objective_path
 from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
@@ -696,4 +696,6 @@ def stopped_by_lost_rank(error: Exception) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with own_temp_dir():  # this rank's temporary files and its children's (server, W&B): reclaimed after a kill
+        code = main()
+    sys.exit(code)

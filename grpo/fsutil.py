@@ -9,6 +9,7 @@ previous complete one as it was and raises NoSpaceError, naming the path and the
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import mmap
@@ -17,7 +18,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 HASH_ALGOS = ("sha256", "blake3")
 
@@ -166,7 +167,7 @@ _OWNED_NAME = re.compile(r"^grpo-([a-z]+)-(?:.+-)?p(\d+)s(\d+)-[a-z0-9_]{8}$")
 
 
 def owned_kind(name: str) -> Optional[str]:
-    """The kind of an owned_dir directory named `name` ("weights", "wandb"), None for any other name."""
+    """The kind of an owned_dir directory named `name` ("weights", "tmp"), None for any other name."""
     match = _OWNED_NAME.match(name)
     return match[1] if match else None
 
@@ -217,3 +218,48 @@ def reclaim_owned(parent: Path, kind: str) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
             gone.append(p)
     return gone
+
+
+# A Unix socket's path has at most 107 bytes, and vLLM puts its engine's ZMQ sockets at
+# <TMPDIR>/<uuid4> (37 more bytes): a TMPDIR longer than this would stop the engine from starting.
+_TMPDIR_MAX_LEN = 107 - 37
+
+
+@contextlib.contextmanager
+def own_temp_dir() -> Iterator[Path]:
+    """This process's temporary files, and those of every process it starts, in one directory it owns.
+
+    A SIGKILLed process leaves what it (or a library in it) made in TMPDIR for a normal exit to
+    remove: W&B's media, artifact and port directories and its service's sockets, vLLM's ZMQ
+    sockets and process-group file, a compiler's half-written files. Here TMPDIR (environment and
+    tempfile) is an owned_dir of this process for as long as the context lasts; it is removed at
+    the end, and after a kill by the next process that makes one in the same place. A process
+    started by one that owns its TMPDIR (a server started by a trainer) uses that one as it is:
+    its parent's directory holds its leftovers, and the nested name would be longer. Inductor's
+    compiled-kernel cache, which lives in TMPDIR by default, stays where it was, shared by runs."""
+    parent = Path(tempfile.gettempdir())
+    if owned_kind(parent.name) == "tmp":
+        yield parent
+        return
+    own = owned_dir(parent, "tmp")
+    if len(str(own)) > _TMPDIR_MAX_LEN:  # a long TMPDIR already: files go where they went before
+        own.rmdir()
+        yield parent
+        return
+    saved = {key: os.environ.get(key) for key in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
+    if saved["TORCHINDUCTOR_CACHE_DIR"] is None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = default_cache_dir()  # read while TMPDIR is still the parent
+    saved_tempdir, tempfile.tempdir = tempfile.tempdir, str(own)
+    os.environ["TMPDIR"] = str(own)  # what the processes it starts inherit
+    try:
+        yield own
+    finally:
+        tempfile.tempdir = saved_tempdir
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(own, ignore_errors=True)

@@ -19,16 +19,13 @@ import math
 import os
 import re
 import secrets
-import shutil
 import string
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from grpo.fsutil import owned_dir
 from grpo.progress import alpha_lag
 
 METRICS_FILE = "metrics.jsonl"
@@ -255,30 +252,19 @@ class MetricsLogger:
             # W&B's own id shape: 8 characters of [a-z0-9]
             run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
             id_file.write_text(run_id + "\n")
-        # W&B's service and its system monitor keep a socket in TMPDIR, which a SIGKILLed run leaves
-        # behind (one per kill, found by the chaos soak): they get a directory of this process's own
-        # there instead, removed by close() and, after a kill, by the next run's start.
-        # (no run name in it: a Unix socket's path has at most 107 bytes, else W&B puts it elsewhere)
-        self._wandb_tmp = owned_dir(Path(tempfile.gettempdir()), "wandb")
-        saved = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = str(self._wandb_tmp)  # what the service's processes inherit as they start
-        try:
-            return wandb.init(
-                project=self.cfg.project,
-                name=self.cfg.run_name or self.run_dir.name,
-                tags=list(self.cfg.tags),
-                group=self.cfg.group,
-                config=redact_secrets(run_config),
-                dir=str(self.run_dir),
-                mode=self.cfg.wandb_mode,
-                id=run_id,
-                resume="allow",
-            )
-        finally:
-            if saved is None:
-                os.environ.pop("TMPDIR", None)
-            else:
-                os.environ["TMPDIR"] = saved
+        # (what W&B keeps in TMPDIR, a SIGKILLed run leaves: train.py gives each rank a TMPDIR of its
+        # own, grpo.fsutil.own_temp_dir, which the next start reclaims)
+        return wandb.init(
+            project=self.cfg.project,
+            name=self.cfg.run_name or self.run_dir.name,
+            tags=list(self.cfg.tags),
+            group=self.cfg.group,
+            config=redact_secrets(run_config),
+            dir=str(self.run_dir),
+            mode=self.cfg.wandb_mode,
+            id=run_id,
+            resume="allow",
+        )
 
     # -- per step ---------------------------------------------------------------------------
 
@@ -375,7 +361,6 @@ class MetricsLogger:
             # finish() returns before wandb-core has flushed the run file; teardown waits for it.
             # Its atexit hook would too, but not reliably in torchrun's multiprocessing workers.
             wandb.teardown()
-            shutil.rmtree(self._wandb_tmp, ignore_errors=True)
 
     def __enter__(self) -> "MetricsLogger":
         return self

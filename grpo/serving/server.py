@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from grpo.fsutil import own_temp_dir
 from grpo.serving.supervisor import SERVER_PID_ENV, die_with_parent
 
 TOKEN_ENV = "GRPO_SERVER_TOKEN"
@@ -288,4 +289,5 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with own_temp_dir():  # the engine's sockets and files: reclaimed after a kill (a trainer's server uses the trainer's)
+        main()
