@@ -561,6 +561,25 @@ def test_a_refused_request_is_not_a_death(server, tiny):
 
 
 @pytest.mark.vllm
+def test_the_engines_locks_leave_no_file_in_dev_shm(server):
+    """A lock the spawned engine process makes with multiprocessing's default context (vLLM's
+    executor lock, tqdm's write lock) was a named semaphore in /dev/shm, unlinked only by that
+    process or its resource tracker: a SIGKILL of the whole tree left it (the chaos soak counted
+    14). Every semaphore the engine maps is now unlinked as it is made. (glibc makes a semaphore
+    under a temporary name and links it to its own, so the maps name a deleted file either way:
+    the inode tells whether a name in /dev/shm still holds it.)"""
+    import psutil
+
+    engines = [p for p in psutil.Process(server.pid).children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    assert len(engines) == 1, [p.name() for p in psutil.Process(server.pid).children(recursive=True)]
+    mapped = {int(line.split()[4]) for line in Path(f"/proc/{engines[0].pid}/maps").read_text().splitlines()
+              if "/dev/shm/sem." in line}
+    assert mapped, "the engine maps no semaphore: nothing was checked"
+    named = [p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("sem.") and p.stat().st_ino in mapped]
+    assert not named, named
+
+
+@pytest.mark.vllm
 def test_killed_server_gives_clear_error_and_generate_restarts_it(server, tiny):
     sd = _perturbed(tiny["hf"], seed=8)
     version = _push_next(server, sd)

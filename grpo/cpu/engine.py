@@ -12,6 +12,7 @@ per core. GPU engines keep the executor vLLM chooses.
 
 The methods a CPU engine adds to vLLM's worker are in grpo/cpu/worker.py.
 """
+import multiprocessing
 import os
 
 from vllm.platforms import current_platform
@@ -37,8 +38,19 @@ def restrict_process(cores: list[int]) -> None:
     torch.set_num_threads(len(cores))  # before the CPU worker makes set_num_threads a no-op
 
 
+def locks_leave_no_file() -> None:
+    """A lock made with multiprocessing's default context (vLLM's executor lock, tqdm's write lock
+    when the weights load) is a named POSIX semaphore, a file in /dev/shm, when that context spawns,
+    as it does in the spawned engine core: the file goes when the process or its resource tracker
+    unlinks it, and a SIGKILL of the whole tree takes both (the chaos soak found 14). Under the fork
+    context a lock's name is unlinked as soon as it is made. Nothing in this process hands a
+    default-context lock to a spawned one: vLLM starts its processes from get_mp_context's own."""
+    multiprocessing.set_start_method("fork", force=True)
+
+
 class InProcessExecutor(UniProcExecutor):
     def _init_executor(self) -> None:
+        locks_leave_no_file()  # before vLLM's executor makes its lock
         cores = bind_cores(os.environ.get(BIND_ENV)) if current_platform.is_cpu() else None
         if cores:
             restrict_process(cores)
