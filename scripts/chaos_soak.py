@@ -24,8 +24,8 @@ observes:
 After a fault that ends the run, the driver checks that every process of the attempt is gone and
 resumes it (`--resume`). At the end: every step's metrics (timing keys aside), the sample tables,
 every recorded batch and the final exported model equal the uninterrupted run's bit for bit, each
-step is logged once, and no process, temporary file or directory, or /dev/shm weights root of the
-run is left. It prints the faults by kind and moment, what differed or was left, and a final JSON
+step is logged once, and no process, temporary file or directory, /dev/shm weights root or other
+shared-memory file an attempt's processes used is left. It prints the faults by kind and moment, what differed or was left, and a final JSON
 line; the exit code is 0 when everything held (docs/faults.md).
 """
 from __future__ import annotations
@@ -112,6 +112,7 @@ class Attempt:
                                          stderr=subprocess.STDOUT, start_new_session=True)
         self.known: dict[tuple[int, float], psutil.Process] = {}  # every process seen under torchrun
         self.roles: dict[tuple[int, float], str] = {}
+        self.shm_inodes: set[int] = set()  # of the /dev/shm files its processes mapped (see note_shm)
         self._walked = 0.0
         self.walk()
 
@@ -138,6 +139,17 @@ class Attempt:
                 continue
             self.known.setdefault(key, p)
             self.roles[key] = role
+
+    def note_shm(self) -> None:
+        """Remember the /dev/shm files its live processes map, by inode (glibc makes a semaphore under
+        a temporary name and links it to its own, so the maps name a deleted file): looked at before
+        every fault, the moment something could be left."""
+        for p in self.live():
+            try:
+                maps = Path(f"/proc/{p.pid}/maps").read_text()
+            except OSError:
+                continue
+            self.shm_inodes.update(int(line.split()[4]) for line in maps.splitlines() if " /dev/shm/" in line)
 
     def live(self, role: Optional[str] = None) -> list[psutil.Process]:
         out = []
@@ -336,9 +348,9 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.out = Path(args.out).resolve()
         # each run's TMPDIR, checked at the end: under the system's temporary directory, not under --out,
-        # whose path can be long (pytest's): vLLM's ZMQ sockets live there, and a Unix socket's path has
-        # at most 107 bytes (the engine failed to start under tests/test_chaos.py's tmp_path)
-        self.tmp = Path(tempfile.mkdtemp(prefix="grpo-soak-"))
+        # whose path can be long (pytest's), and short: each rank owns a directory in it (grpo.fsutil.
+        # own_temp_dir) where vLLM's ZMQ sockets live, and a Unix socket's path has at most 107 bytes
+        self.tmp = Path(tempfile.mkdtemp(prefix="gs"))
         self.stages, self.iterations = STEPS[args.mode] if args.steps is None else args.steps
         self.faults: list[Fault] = []
         self.problems: list[str] = []  # what did not hold: differences, leftovers, bounds
@@ -348,10 +360,13 @@ class Soak:
 
     # -- runs
     def env(self, name: str) -> dict:
-        tmp = self.tmp / name  # every temporary file the run makes goes here, to be checked at the end
+        tmp = self.tmp_of(name)  # every temporary file the run makes goes here, to be checked at the end
         tmp.mkdir(parents=True, exist_ok=True)
         return {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0", "WANDB_MODE": "offline",
                 "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
+
+    def tmp_of(self, name: str) -> Path:
+        return self.tmp / name.rsplit("-", 1)[-1]  # "chaos", "reference"
 
     def cmd(self, name: str, resume: bool) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -474,8 +489,9 @@ class Soak:
         fault.step = steps[-1] if steps else 0
         fault.group_formed = GROUP_FORMED in attempt.log_text()
         victims = [*target, *self.children(target[0])]  # a server's engine dies with it: looked up before
+        attempt.walk(force=True)
+        attempt.note_shm()
         if fault.kind == "torchrun":  # the whole job at once: torchrun, the ranks, the server, its engine, the rest
-            attempt.walk(force=True)
             for p in attempt.live():
                 signal_quietly(p, signal.SIGKILL)
         elif fault.kind == "sigterm":
@@ -614,14 +630,18 @@ class Soak:
                 self.problems.append(f"a temporary file or directory is left in the run: {p.relative_to(chaos)}")
         # the libraries leave some files in TMPDIR after every run, faults or not (torchrun's log
         # directory, vLLM's IPC sockets and process-group file, inductor's cache): only other kinds count
-        baseline = temp_kinds(self.tmp / self.run_name("reference"))
-        for kind, names in sorted(temp_kinds(self.tmp / self.run_name("chaos")).items()):
+        baseline = temp_kinds(self.tmp_of(self.run_name("reference")))
+        for kind, names in sorted(temp_kinds(self.tmp_of(self.run_name("chaos"))).items()):
             if kind not in baseline:
                 self.problems.append(f"left in the run's TMPDIR, unlike the uninterrupted run's: {names[:5]}")
         self.baseline_temp = sorted(baseline)
         for name in ("chaos", "reference"):
             for p in sorted(Path("/dev/shm").glob(f"grpo-weights-{self.run_name(name)}-*")):
                 self.problems.append(f"a weights root is left in /dev/shm: {p}")
+        mapped = set().union(*(a.shm_inodes for a in self.attempts))
+        for p in shm_files():  # what the attempts' processes mapped, still there (named semaphores, weights)
+            if p.stat().st_ino in mapped:
+                self.problems.append(f"a shared-memory file an attempt used is left: {p}")
 
     # -- all of it
     def run(self) -> int:
@@ -711,6 +731,17 @@ def kill_tree(proc: subprocess.Popen) -> None:
     except psutil.Error:
         pass
     proc.wait()
+
+
+def shm_files() -> list[Path]:
+    out = []
+    for p in Path("/dev/shm").rglob("*"):
+        try:
+            if p.is_file() and not p.is_symlink():
+                out.append(p)
+        except OSError:  # gone meanwhile, or not ours to look at
+            continue
+    return out
 
 
 def temp_kinds(tmp: Path) -> dict[str, list[str]]:

@@ -79,6 +79,36 @@ def test_the_soak_sees_a_step_twice_a_changed_number_a_changed_batch_and_a_lefto
     assert soak.problems == ["a temporary file or directory is left in the run: checkpoints/step_4.tmp"]
 
 
+def test_the_soak_sees_a_semaphore_a_killed_attempt_left_in_dev_shm(tmp_path):
+    """A named semaphore (a spawn-context lock) outlives a SIGKILL of its process and of its resource
+    tracker: the soak finds it by the inode the attempt's process mapped (before it counted only
+    weights roots, and 14 such files went unseen in a long soak)."""
+    soak = chaos_soak.Soak(argparse.Namespace(mode="short", seed=0, steps=(1, 1), out=str(tmp_path), faults_per_kind=1))
+    made = ("import multiprocessing as mp, time; lock = mp.get_context('spawn').Lock(); "
+            "print(lock._semlock.name, flush=True); time.sleep(60)")
+    attempt = chaos_soak.Attempt(0, [sys.executable, "-c", made], {"PATH": "/usr/bin:/bin"}, tmp_path / "attempt.log",
+                                 tmp_path / "run", resumed=False)
+    name = None
+    try:
+        for _ in range(1000):
+            name = (tmp_path / "attempt.log").read_text().strip()
+            if name:
+                break
+            chaos_soak.time.sleep(0.01)
+        assert name.startswith("/mp-"), (tmp_path / "attempt.log").read_text()
+        attempt.walk(force=True)
+        attempt.note_shm()
+        for p in attempt.live():  # the process and its resource tracker: nothing is left to unlink the name
+            chaos_soak.signal_quietly(p, chaos_soak.signal.SIGKILL)
+        attempt.proc.wait()
+        soak.attempts = [attempt]
+        soak.leftovers()
+        assert f"a shared-memory file an attempt used is left: /dev/shm/sem.{name[1:]}" in soak.problems, soak.problems
+    finally:
+        Path(f"/dev/shm/sem.{(name or '/none')[1:]}").unlink(missing_ok=True)
+        chaos_soak.shutil.rmtree(soak.tmp, ignore_errors=True)
+
+
 def test_a_process_that_exits_while_the_tree_is_walked_is_not_known_without_a_role(tmp_path, monkeypatch):
     """A process can end between the listing of torchrun's tree and the look at its command line
     (psutil then raises NoSuchProcess). The walk used to keep it without a role, and the next look
