@@ -16,6 +16,7 @@ import mmap
 import os
 import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator, Optional
@@ -162,8 +163,15 @@ def hash_file(path: str | os.PathLike, algo: str = "sha256", threads: int = 1) -
     return hasher.hexdigest()
 
 
-# grpo-<kind>-[<name>-]p<owner pid>s<its start time>-<mkdtemp's 8 random characters>
-_OWNED_NAME = re.compile(r"^grpo-([a-z]+)-(?:.+-)?p(\d+)s(\d+)-[a-z0-9_]{8}$")
+# grpo-<kind>-[<name>-]h<host>p<owner pid>s<its start time>-<mkdtemp's 8 random characters>
+# (h<host> absent from names made before it was added)
+_OWNED_NAME = re.compile(r"^grpo-([a-z]+)-(?:.+-)?(?:h([0-9a-f]{8}))?p(\d+)s(\d+)-[a-z0-9_]{8}$")
+
+
+def _host_tag() -> str:
+    """This machine, in 8 hex digits: a pid says nothing about a process on another machine, and a
+    TMPDIR can be on a filesystem that several nodes share."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def owned_kind(name: str) -> Optional[str]:
@@ -173,8 +181,11 @@ def owned_kind(name: str) -> Optional[str]:
 
 
 def owner_gone(name: str) -> bool:
-    """The process that made owned_dir directory `name` is gone (not running, or its pid now another process's)."""
-    _, pid, started = _OWNED_NAME.match(name).groups()
+    """The process that made owned_dir directory `name` is gone (not running, or its pid now another
+    process's); never for a directory made on another machine, whose processes cannot be seen here."""
+    _, host, pid, started = _OWNED_NAME.match(name).groups()
+    if host is not None and host != _host_tag():
+        return False
     return process_started(int(pid)) not in (0, int(started))
 
 
@@ -197,19 +208,22 @@ def process_started(pid: int) -> Optional[int]:
 
 def owned_dir(parent: Path, kind: str, name: str = "") -> Path:
     """A fresh directory under `parent` only this user can read, named after its owner (this process
-    and when it started): grpo-<kind>-[<name>-]p<pid>s<start>-XXXXXXXX. What a SIGKILLed process
-    leaves there is reclaimed by the next call for the same kind (reclaim_owned), before it makes its own."""
+    on this machine, and when it started): grpo-<kind>-[<name>-]h<host>p<pid>s<start>-XXXXXXXX. What a
+    SIGKILLed process leaves there is reclaimed by the next call for the same kind on the same machine
+    (reclaim_owned), before it makes its own."""
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
     reclaim_owned(parent, kind)
     pid = os.getpid()
     named = f"{name}-" if name else ""
-    return Path(tempfile.mkdtemp(prefix=f"grpo-{kind}-{named}p{pid}s{process_started(pid) or 0}-", dir=parent))
+    prefix = f"grpo-{kind}-{named}h{_host_tag()}p{pid}s{process_started(pid) or 0}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
 
 
 def reclaim_owned(parent: Path, kind: str) -> list[Path]:
     """Remove the owned_dir directories of `kind` under `parent` whose owner process is gone (not
-    running, or its pid now another process's); only this user's own directories, never a link."""
+    running, or its pid now another process's; on this machine); only this user's own directories,
+    never a link."""
     gone = []
     for p in Path(parent).iterdir():
         if owned_kind(p.name) != kind or p.is_symlink() or not p.is_dir() or p.lstat().st_uid != os.getuid():

@@ -76,6 +76,7 @@ def test_the_soak_sees_a_step_twice_a_changed_number_a_changed_batch_and_a_lefto
     soak.problems = []
     (tmp_path / "runs" / soak.run_name("chaos") / "checkpoints" / "step_4.tmp").mkdir(parents=True)
     soak.leftovers()
+    chaos_soak.shutil.rmtree(soak.tmp, ignore_errors=True)  # its runs' TMPDIRs, made by Soak() and empty here
     assert soak.problems == ["a temporary file or directory is left in the run: checkpoints/step_4.tmp"]
 
 

@@ -51,7 +51,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, tmp_path):
     assert (tmp_path / "crash" / "checkpoints" / "step_2").is_dir()
     # the killed trainer's private weights root (in /dev/shm where it has room, else the run directory)
     roots = [r for p in killed for parent in (Path("/dev/shm"), tmp_path / "crash")
-             for r in parent.glob(f"grpo-weights-crash-p{p.pid}s*")]
+             for r in parent.glob(f"grpo-weights-crash-h*p{p.pid}s*")]
     assert len(roots) == 1, roots  # left behind, as SIGKILL leaves it
 
     resumed = subprocess.run(train_cmd(1, model_dir, tmp_path, "crash", *common, "--resume"), cwd=ROOT,

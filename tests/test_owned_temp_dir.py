@@ -4,6 +4,7 @@ what its libraries made in TMPDIR for a normal exit to remove: the long chaos so
 W&B media and 42 W&B artifact directories, 22 more tmp* directories and W&B's sockets, one set per
 kill. Now they sit in the killed process's directory, which the next start reclaims."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def test_what_a_killed_run_leaves_in_tmpdir_is_in_its_own_directory_which_the_ne
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     time.sleep(1)  # the service's processes see their parent gone
-    assert own.parent == short_tmp and own.name.startswith(f"grpo-tmp-p{proc.pid}s")
+    assert own.parent == short_tmp and re.match(rf"grpo-tmp-h[0-9a-f]{{8}}p{proc.pid}s", own.name)
     assert child_tmp == own and child_file.parent == own and child_file.is_file()  # the child used its parent's
     left = sorted(p.name for p in own.iterdir())
     # what the W&B SDK makes at import and its service's sockets: all in the killed process's directory

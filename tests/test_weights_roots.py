@@ -3,12 +3,14 @@ when its server stops; a SIGKILLed run cannot remove it, and before, each such c
 behind: gigabytes of RAM per crash with a real model. A root's name now holds its owner (pid and
 start time), and making the next root reclaims those whose owner is gone."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from grpo.fsutil import _host_tag
 from grpo.serving.inference import _private_root
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,9 +29,12 @@ def test_a_root_whose_owner_is_gone_is_reclaimed_when_the_next_is_made(tmp_path)
     alive = _private_root(parent, "running")  # this process's: its owner runs
     reused = parent / f"grpo-weights-old-p{os.getpid()}s1-abcdefgh"  # a pid that now names another process
     reused.mkdir()
-    gone = dead.name.split("-p")[-1].split("s")[0]  # the dead owner's pid: only what they are keeps these
-    kept = {"another name": parent / "grpo-weights-crash-abcd1234", "a file": parent / f"grpo-weights-x-p{gone}s1-abcdefgh"}
+    gone = re.search(r"p(\d+)s\d+-", dead.name)[1]  # the dead owner's pid: only what they are keeps these
+    other_host = "0" * 8 if _host_tag() != "0" * 8 else "1" * 8  # a pid there says nothing here
+    kept = {"another name": parent / "grpo-weights-crash-abcd1234", "a file": parent / f"grpo-weights-x-p{gone}s1-abcdefgh",
+            "another machine's": parent / f"grpo-weights-z-h{other_host}p{gone}s1-abcdefgh"}
     kept["another name"].mkdir()
+    kept["another machine's"].mkdir()
     kept["a file"].write_text("not a root")
     target = tmp_path / "elsewhere"
     target.mkdir()
@@ -38,4 +43,4 @@ def test_a_root_whose_owner_is_gone_is_reclaimed_when_the_next_is_made(tmp_path)
     new = _private_root(parent, "next")
     assert not dead.exists() and not reused.exists()
     assert alive.is_dir() and new.is_dir() and target.is_dir() and all(p.exists() for p in kept.values())
-    assert new.name.startswith(f"grpo-weights-next-p{os.getpid()}s")
+    assert new.name.startswith(f"grpo-weights-next-h{_host_tag()}p{os.getpid()}s")
