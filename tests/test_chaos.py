@@ -80,6 +80,7 @@ def test_the_soak_sees_a_step_twice_a_changed_number_a_changed_batch_and_a_lefto
     assert soak.problems == ["a temporary file or directory is left in the run: checkpoints/step_4.tmp"]
 
 
+@pytest.mark.torchrun  # a child process, SIGKILLed
 def test_the_soak_sees_a_semaphore_a_killed_attempt_left_in_dev_shm(tmp_path):
     """A named semaphore (a spawn-context lock) outlives a SIGKILL of its process and of its resource
     tracker: the soak finds it by the inode the attempt's process mapped (before it counted only

@@ -91,7 +91,7 @@ def test_what_a_killed_run_leaves_in_tmpdir_is_in_its_own_directory_which_the_ne
     assert tempfile.gettempdir() == os.environ["TMPDIR"] == str(short_tmp)  # given back at the end
 
 
-@pytest.mark.quick
+@pytest.mark.torchrun  # a child process
 def test_a_process_started_by_an_owner_uses_its_directory_and_inductors_cache_stays_shared(short_tmp, tmpdir_env):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
