@@ -226,7 +226,10 @@ def reclaim_owned(parent: Path, kind: str) -> list[Path]:
     never a link."""
     gone = []
     for p in Path(parent).iterdir():
-        if owned_kind(p.name) != kind or p.is_symlink() or not p.is_dir() or p.lstat().st_uid != os.getuid():
+        try:
+            if owned_kind(p.name) != kind or p.is_symlink() or not p.is_dir() or p.lstat().st_uid != os.getuid():
+                continue
+        except FileNotFoundError:  # reclaimed meanwhile by another process starting beside this one (a rank)
             continue
         if owner_gone(p.name):
             shutil.rmtree(p, ignore_errors=True)

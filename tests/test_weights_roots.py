@@ -44,3 +44,32 @@ def test_a_root_whose_owner_is_gone_is_reclaimed_when_the_next_is_made(tmp_path)
     assert not dead.exists() and not reused.exists()
     assert alive.is_dir() and new.is_dir() and target.is_dir() and all(p.exists() for p in kept.values())
     assert new.name.startswith(f"grpo-weights-next-h{_host_tag()}p{os.getpid()}s")
+
+
+@pytest.mark.torchrun  # the dead owner is a child process
+def test_a_directory_another_starting_process_reclaims_meanwhile_is_passed_over(tmp_path, monkeypatch):
+    """Every rank now makes a directory of its own at start (its TMPDIR), so two processes reclaim
+    the same dead owner's directory at once: the one that finds it gone between looking at it and
+    reading its owner goes on (before: FileNotFoundError, and the rank's start failed)."""
+    from grpo.fsutil import owned_dir, reclaim_owned
+
+    made = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from grpo.fsutil import "
+                           "owned_dir; print(owned_dir(Path(sys.argv[1]), 'tmp'))", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, check=True)
+    dead = Path(made.stdout.strip())
+    real_lstat = Path.lstat
+    looks = []
+
+    def removed_by_the_other(self):
+        if self == dead:
+            looks.append(self)
+            if len(looks) == 2:  # after it was seen to be a directory, before its owner is read:
+                import shutil
+                shutil.rmtree(dead)  # the other process reclaimed it just now
+        return real_lstat(self)
+
+    monkeypatch.setattr(Path, "lstat", removed_by_the_other)
+    assert reclaim_owned(tmp_path, "tmp") == []
+    assert len(looks) == 2  # the window was hit
+    monkeypatch.undo()
+    assert not dead.exists() and owned_dir(tmp_path, "tmp").is_dir()
