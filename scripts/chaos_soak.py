@@ -25,8 +25,9 @@ After a fault that ends the run, the driver checks that every process of the att
 resumes it (`--resume`). At the end: every step's metrics (timing keys aside), the sample tables,
 every recorded batch and the final exported model equal the uninterrupted run's bit for bit, each
 step is logged once, and no process, temporary file or directory, /dev/shm weights root or other
-shared-memory file an attempt's processes used is left. It prints the faults by kind and moment, what differed or was left, and a final JSON
-line; the exit code is 0 when everything held (docs/faults.md).
+shared-memory file an attempt's processes used is left. It prints the faults by kind and moment,
+what differed or was left, and a final JSON line; the exit code is 0 when everything held
+(docs/faults.md).
 """
 from __future__ import annotations
 
@@ -628,8 +629,8 @@ class Soak:
         for p in sorted(chaos.rglob("*")):
             if p.name.endswith((".tmp", ".old")) or p.name.startswith(".tmp"):
                 self.problems.append(f"a temporary file or directory is left in the run: {p.relative_to(chaos)}")
-        # the libraries leave some files in TMPDIR after every run, faults or not (torchrun's log
-        # directory, vLLM's IPC sockets and process-group file, inductor's cache): only other kinds count
+        # what every run leaves in TMPDIR, faults or not (torchrun's log directory, made before the
+        # ranks own a directory of their own): only other kinds count
         baseline = temp_kinds(self.tmp_of(self.run_name("reference")))
         for kind, names in sorted(temp_kinds(self.tmp_of(self.run_name("chaos"))).items()):
             if kind not in baseline:
@@ -746,14 +747,15 @@ def shm_files() -> list[Path]:
 
 def temp_kinds(tmp: Path) -> dict[str, list[str]]:
     """The entries of a TMPDIR by kind: their names with random parts (uuids, hex, mkdtemp's suffix) as *.
-    A directory of a process that still runs (grpo.fsutil.owned_dir: W&B's) is in use, not left."""
+    A directory of a process that still runs (grpo.fsutil.owned_dir: a rank's own TMPDIR) is in use, not left."""
     from grpo.fsutil import owned_kind, owner_gone
 
     kinds = collections.defaultdict(list)
     for p in sorted(tmp.iterdir()) if tmp.is_dir() else []:
-        if owned_kind(p.name):
+        owned = owned_kind(p.name)
+        if owned:
             if owner_gone(p.name):
-                kinds[f"grpo-{owned_kind(p.name)}-*p*s*-*"].append(p.name)
+                kinds[f"grpo-{owned}-*p*s*-*"].append(p.name)
             continue
         kind = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "*", p.name)
         kind = re.sub(r"[0-9a-f]{16,}", "*", kind)
