@@ -196,8 +196,11 @@ def paired(points: Points, a: str, b: str, value: Callable[[list[dict]], Optiona
 
 
 def shared_checkpoints(points: Points, a: str, b: str, axis: str) -> list[float]:
-    """The checkpoints (steps or pushes, after the start) at which every run of a and b evaluated."""
-    runs = list(points.get(a, {}).values()) + list(points.get(b, {}).values())
+    """The checkpoints (steps or pushes, after the start) at which every run of a and b evaluated, over
+    the seeds both have: a run whose partner has not started yet (--partial) pairs with nothing, so it
+    must not hold the decision back at its own latest checkpoint."""
+    seeds = set(points.get(a, {})) & set(points.get(b, {}))
+    runs = [points[p][s] for s in sorted(seeds) for p in (a, b)]
     if not runs:
         return []
     common = set.intersection(*(set(evals(rows, axis)) for rows in runs))

@@ -150,3 +150,21 @@ def test_a_sweep_part_way_makes_a_page_that_decides_nothing_it_lacks(tmp_path):
     assert report.main(["--sweep", str(sweep), "--out", str(out)]) == 0
     assert [c.verdict for c in report.claims(report.plot.load_sweep(sweep)[1])] == [report.OPEN] * 3
     assert "No v10-i1 run yet." in out.read_text() and not (tmp_path / "page_lag.png").exists()
+
+
+def test_a_run_in_progress_without_its_partner_does_not_move_the_checkpoint(tmp_path):
+    """--partial mid-sweep: seed 2 of v1-i1 has reached step 10, seed 2 of the other settings has not
+    started. Each claim is decided over the seeds both settings have (0 and 1) at the last checkpoint
+    those runs share, step 50, not at the in-progress run's step 10."""
+    curves = {
+        "v1-i1": {s: linear(0.5) for s in (0, 1, 2)},
+        "v1-i1-mask": {0: linear(0.6), 1: linear(0.62)},
+        "v10-i1": {0: linear(0.52), 1: linear(0.53)},
+        "v1-i10": {0: linear(0.2), 1: linear(0.25)},
+    }
+    points = report.plot.load_sweep(write_sweep(tmp_path, curves))[1]
+    points["v1-i1"][2] = [r for r in points["v1-i1"][2] if r["step"] <= 10]  # in progress
+    v10, mask, reuse = report.claims(points)
+    for claim, diffs in ((v10, [0.02, 0.03]), (mask, [0.1, 0.12]), (reuse, [0.3, 0.25])):
+        assert claim.decided_by[0].at == "step 50", claim.text
+        assert claim.decided_by[0].iv.diffs == pytest.approx(diffs), claim.text
