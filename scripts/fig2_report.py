@@ -356,19 +356,35 @@ def v_runs(sweeps: list[tuple[dict, Points]], wanted: dict[str, int]) -> dict[in
     return dict(sorted(out.items()))
 
 
-def final_pass(rows: list[dict]) -> Optional[float]:
+def last_eval(rows: list[dict]) -> Optional[tuple[float, float]]:
+    """(step, held-out pass@1) of a run's latest evaluation."""
     curve = evals(rows)
-    return curve[max(curve)] if curve else None
+    return (max(curve), curve[max(curve)]) if curve else None
+
+
+def at_the_end(by_v: dict[int, dict[int, list[dict]]]) -> tuple[float, dict[int, list[list[dict]]], dict[int, list[list[dict]]]]:
+    """The v-sweep compares pass@1 after the same iterations: the end is the latest step any run
+    evaluated; a run whose latest evaluation is earlier is in progress (--partial), listed apart and
+    never averaged in. Returns (end, {v: the runs at the end}, {v: the runs in progress})."""
+    last = {v: {seed: last_eval(rows) for seed, rows in seeds.items()} for v, seeds in by_v.items()}
+    end = max((e[0] for evs in last.values() for e in evs.values() if e is not None), default=0.0)
+    done = {v: [rows for seed, rows in seeds.items() if last[v][seed] and last[v][seed][0] == end]
+            for v, seeds in by_v.items()}
+    going = {v: [rows for seed, rows in seeds.items() if last[v][seed] and last[v][seed][0] != end]
+             for v, seeds in by_v.items()}
+    return end, done, going
 
 
 def vsweep_table(by_v: dict[int, dict[int, list[dict]]]) -> str:
-    lines = ["| v | seeds | final pass@1 (mean, min-max) | pushes | optimizer steps |", "| --- | --- | --- | --- | --- |"]
-    for v, seeds in by_v.items():
-        finals = [f for f in (final_pass(rows) for rows in seeds.values()) if f is not None]
-        steps = [max(r["step"] for r in rows) for rows in seeds.values()]
-        n_push = [pushes(rows) for rows in seeds.values()]
+    end, done, going = at_the_end(by_v)
+    lines = [f"| v | runs at step {end:g} | pass@1 at step {end:g} (mean, min-max) | pushes | "
+             "in progress (step: pass@1) |", "| --- | --- | --- | --- | --- |"]
+    for v in by_v:
+        finals = [last_eval(rows)[1] for rows in done[v]]
         cell = f"{sum(finals) / len(finals):.3f} ({min(finals):.3f}-{max(finals):.3f})" if finals else "n/a"
-        lines.append(f"| {v} | {len(seeds)} | {cell} | {sum(n_push) / len(n_push):.1f} | {max(steps)} |")
+        n_push = f"{sum(pushes(rows) for rows in done[v]) / len(done[v]):.1f}" if done[v] else "n/a"
+        partial = ", ".join("{:g}: {:.3f}".format(*last_eval(rows)) for rows in going[v]) or "-"
+        lines.append(f"| {v} | {len(finals)} | {cell} | {n_push} | {partial} |")
     return "\n".join(lines)
 
 
@@ -376,19 +392,19 @@ def plot_vsweep(by_v: dict[int, dict[int, list[dict]]], out: Path, title: str) -
     import matplotlib.pyplot as plt
 
     fig, (ax_p, ax_n) = plt.subplots(1, 2, figsize=(10, 3.6))
-    vs = list(by_v)
+    end, done, _ = at_the_end(by_v)
+    vs = [v for v in by_v if done[v]]  # runs in progress are in the table only
+    finals = {v: [last_eval(rows)[1] for rows in done[v]] for v in vs}
     for v in vs:
-        finals = [f for f in (final_pass(rows) for rows in by_v[v].values()) if f is not None]
-        ax_p.scatter([v] * len(finals), finals, color="C0", alpha=0.4, s=12)
-    means = [sum(f) / len(f) if f else math.nan
-             for f in ([x for x in (final_pass(r) for r in by_v[v].values()) if x is not None] for v in vs)]
+        ax_p.scatter([v] * len(finals[v]), finals[v], color="C0", alpha=0.4, s=12)
+    means = [sum(finals[v]) / len(finals[v]) for v in vs]
     ax_p.plot(vs, means, color="C0", marker="o", label="mean over seeds (dots: seeds)")
     start = [x for v in vs for rows in by_v[v].values() for s, x in evals(rows).items() if s == 0]
     if start:
         ax_p.axhline(sum(start) / len(start), color="grey", linestyle="--", linewidth=1, label="the initial policy")
-    ax_p.set(xscale="log", xlabel="v (push every v iterations)", ylabel="held-out pass@1 at the end",
+    ax_p.set(xscale="log", xlabel="v (push every v iterations)", ylabel=f"held-out pass@1 at step {end:g}",
              title="pass@1 after the same iterations")
-    ax_n.plot(vs, [sum(pushes(r) for r in by_v[v].values()) / len(by_v[v]) for v in vs], color="C1", marker="o")
+    ax_n.plot(vs, [sum(pushes(r) for r in done[v]) / len(done[v]) for v in vs], color="C1", marker="o")
     ax_n.set(xscale="log", yscale="log", xlabel="v", ylabel="weight pushes", title="pushes")
     for ax in (ax_p, ax_n):
         ax.set_xticks(vs, [str(v) for v in vs])

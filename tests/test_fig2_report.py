@@ -168,3 +168,21 @@ def test_a_run_in_progress_without_its_partner_does_not_move_the_checkpoint(tmp_
     for claim, diffs in ((v10, [0.02, 0.03]), (mask, [0.1, 0.12]), (reuse, [0.3, 0.25])):
         assert claim.decided_by[0].at == "step 50", claim.text
         assert claim.decided_by[0].iv.diffs == pytest.approx(diffs), claim.text
+
+
+def test_the_v_sweep_compares_runs_at_the_end_and_lists_a_run_in_progress_apart(tmp_path):
+    """--partial mid v-sweep: v2's seed 1 has been evaluated up to step 20 only. Its pass@1 there is
+    not a pass@1 after the same iterations: the table lists it apart, and the means (and the figure's)
+    are over the runs evaluated at step 50."""
+    def run(v, last_step, final):
+        return [{"step": s, "eval/pass@1": final if s == last_step else 0.2, "eval/weights_version": s // v}
+                for s in range(0, last_step + 1, 10)]
+
+    by_v = {1: {0: run(1, 50, 0.8), 1: run(1, 50, 0.9)}, 2: {0: run(2, 50, 0.7), 1: run(2, 20, 0.4)}}
+    end, done, going = report.at_the_end(by_v)
+    assert end == 50 and [len(done[v]) for v in (1, 2)] == [2, 1] and [len(going[v]) for v in (1, 2)] == [0, 1]
+    table = report.vsweep_table(by_v).splitlines()
+    assert table[0] == "| v | runs at step 50 | pass@1 at step 50 (mean, min-max) | pushes | in progress (step: pass@1) |"
+    assert table[2:] == ["| 1 | 2 | 0.850 (0.800-0.900) | 50.0 | - |", "| 2 | 1 | 0.700 (0.700-0.700) | 25.0 | 20: 0.400 |"]
+    report.plot_vsweep(by_v, tmp_path / "v.png", "v-sweep")
+    assert (tmp_path / "v.png").stat().st_size > 0
