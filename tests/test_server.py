@@ -321,17 +321,26 @@ def test_a_score_whose_client_hung_up_stops_and_lets_the_next_push_through(serve
         with ThreadPoolExecutor(k) as pool:
             return list(pool.map(lambda _: post(timeout), range(k)))
 
+    def timed(k: int) -> float:
+        t0 = time.monotonic()
+        assert together(k) == ["answered"] * k
+        return time.monotonic() - t0
+
     post()  # after a push the first request is slower
     k = 1
     while True:
-        t0 = time.monotonic()
-        assert together(k) == ["answered"] * k
-        whole = time.monotonic() - t0  # what the requests take when their clients wait
+        # What the requests take when their clients wait: the faster of two tries, since one try can
+        # be slowed several-fold by the other test worker (one request once took 4 s, then < 1 s).
+        whole = min(timed(k), timed(k))
         if whole > 4 or k == 64:
             break
         k = min(int(k * 5 / whole) + 1, 64)
     assert whole > 4, f"{k} requests of {SCORE_MAX_TOKENS} tokens take {whole:.1f} s: too short to tell stopped from done"
-    assert together(k, timeout=1.0) == ["hung up"] * k  # every client hangs up after 1 s
+    # Every client hangs up after 1 s. The engine serves the requests about in turn, so the first one
+    # or two may be answered inside that second (1 of 17 on a free machine); the rest are abandoned
+    # with most of their work undone, which is what the push must not wait for.
+    outcomes = together(k, timeout=1.0)
+    assert outcomes.count("hung up") >= k / 2, outcomes
     t1 = time.monotonic()
     assert server.push(_perturbed(tiny["hf"], seed=24), version + 1, step=1)["version"] == version + 1
     waited = time.monotonic() - t1
