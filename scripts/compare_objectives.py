@@ -11,10 +11,14 @@ this computes the gradient of that objective's loss at the same parameters (the 
 policy; advantages and weights recomputed under that objective's section with the batch's own seed),
 and reports per batch: the gradient norm, the cosine between each update and the reference's, the
 loss, the clip fraction and the fraction of tokens a correction masked. One process, no server,
-no optimizer: the parameters never move, so every difference is the objective's.
+no optimizer: the parameters never move, so every difference is the objective's. The policy is the
+trainer's own (train.build_policy, FSDP2 over this one process): it computes in the precision the
+config's model.dtype gives on this machine (bf16 mixed precision on a GPU or where the CPU multiplies
+bf16, fp32 elsewhere), as the run did when it ran on the same kind of machine.
 
-With --follow the parameters move between batches along the recorded run's own updates (its
-config: the objective with beta and pi_ref, i, the learning rate), so batch k is compared where the
+With --follow the parameters move between batches along the recorded run's own updates, taken by
+the trainer's own step (train.plan_batch, sgd_iteration, optimizer_step under the run's config: the
+objective with beta and pi_ref, i, micro-batches, clipping, AdamW), so batch k is compared where the
 run trained on it: its rows hold alpha_lag_steps (optimizer steps since the push that sampled the
 batch) and run_grad_norms (the run objective's gradient norm per SGD iteration: the run's grad_norm).
 
@@ -24,10 +28,12 @@ too) and <out>/compare.png (gradient norm and cosine per batch); the last line p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,14 +41,19 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from grpo.batching import collate  # noqa: E402
 from grpo.config import ConfigError, load_config  # noqa: E402
-from grpo.models import load_model, load_tokenizer  # noqa: E402
-from grpo.objective import finalize_stats, local_denominators, token_weights  # noqa: E402
+from grpo.models import load_tokenizer  # noqa: E402
+from grpo.objective import finalize_stats  # noqa: E402
 from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
-from grpo.policy import ObjectiveInputs, Policy  # noqa: E402
+from grpo.parallel import (DistInfo, close_distributed, device_memory_bytes, gradient_sync_plan,  # noqa: E402
+                           init_distributed)
+from grpo.policy import Policy, copy_policy  # noqa: E402
 from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
+import train  # noqa: E402  (the trainer's own policy and step)
+
+
+DEVICE = torch.device("cpu")  # one process on this machine's CPU cores
 
 
 def parse_objective(spec: str) -> tuple[str, list[str]]:
@@ -51,63 +62,74 @@ def parse_objective(spec: str) -> tuple[str, list[str]]:
     return name.strip(), rest.split()
 
 
-def gradient(policy: Policy, rollout, cfg: TrainConfig, ref_policy: Optional[Policy] = None,
-             logp_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict, torch.Tensor]:
-    """The flat gradient of cfg's objective on the whole batch at the policy's parameters, the
-    objective's finalized statistics and pi's log-probs. ref_policy: pi_ref of the KL term (beta > 0);
-    logp_k: pi_k's log-probs after the first SGD iteration on the batch (None: pi is pi_k)."""
-    mb = collate(rollout.samples, 0, torch.device("cpu"))
-    logp_ref = None
-    if ref_policy is not None and cfg.objective.beta > 0:
-        with torch.no_grad():
-            logp_ref, _ = ref_policy(mb.input_ids, mb.completion_index, mb.completion_tokens)
-    num_seqs, num_tokens = local_denominators(mb.completion_mask, mb.seq_weight, cfg.objective, mb.truncated)
-    weights = token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=max(num_seqs, 1),
-                            num_tokens=max(num_tokens, 1), max_len=cfg.grpo.max_new_tokens,
-                            truncated=mb.truncated)[mb.completion_mask.bool()]
+def gradient(policy: Policy, rollout, cfg: TrainConfig, pad_token_id: int) -> tuple[torch.Tensor, dict]:
+    """The flat gradient of cfg's objective on the whole batch at the policy's parameters, as the
+    trainer's first SGD iteration on it takes it (train.plan_batch, sgd_iteration: micro-batches,
+    global denominators, pi = pi_k), and the objective's finalized statistics."""
     policy.zero_grad(set_to_none=True)
     policy.temperature = cfg.grpo.temperature
-    out = policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
-                 objective=ObjectiveInputs(mb.logp_alpha, logp_k, logp_ref, mb.adv[mb.seq_of_token], weights,
-                                           cfg.objective, seq_index=mb.seq_of_token))
-    out.loss.backward()
-    grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in policy.parameters()]
-    return torch.cat(grads).double(), finalize_stats(out.stats), out.logp
+    run = trainer_run(cfg, policy, pad_token_id)
+    micro_batches, denominators, _ = train.plan_batch(run, rollout)
+    stats, _ = train.sgd_iteration(run, micro_batches, train.BatchCache(), denominators)
+    grads = [full(p.grad).reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in policy.parameters()]
+    policy.zero_grad(set_to_none=True)
+    return torch.cat(grads).double().cpu(), finalize_stats(stats)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's or gradient's whole tensor (FSDP2 holds DTensor shards: here one, of the whole)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def trainer_policy(cfg: TrainConfig, model_path: str, trainable: bool) -> Policy:
+    """The policy train.py would build from `model_path` under cfg: FSDP2 over this process, in the
+    compute dtype model.dtype gives here, the LM head in the trainer's CPU math mode. Before, this was
+    a plain fp32 model: on a machine where the run trained in bf16, --follow's gradient norms left the
+    run's from the first step (1.5e-4 relative) and by 5% after eight."""
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
+    policy = train.build_policy(cfg, DEVICE, trainable)
+    from grpo.cpu.bf16 import install_lm_head_bf16_math
+
+    install_lm_head_bf16_math()  # what grpo.cpu.tune_trainer gives a CPU trainer's head
+    return policy
+
+
+def trainer_run(cfg: TrainConfig, policy: Policy, pad_token_id: int, ref: Optional[Policy] = None,
+                optimizer=None, scheduler=None) -> SimpleNamespace:
+    """What train.plan_batch, sgd_iteration and optimizer_step read of a train.Run, for this one rank."""
+    sync_every, _ = gradient_sync_plan(cfg.optim.grad_sync, policy, device_memory_bytes(DEVICE))
+    return SimpleNamespace(cfg=cfg, dist=DistInfo(0, 1, 0, DEVICE), policy=policy, ref_policy=ref, optimizer=optimizer,
+                           scheduler=scheduler, tokenizer=SimpleNamespace(pad_token_id=pad_token_id),
+                           sync_every_micro_batch=sync_every)
 
 
 class Follower:
-    """--follow: the parameters move along the recorded run's own updates, batch after batch (its
-    config's objective with beta and pi_ref, pi_ref <- pi_theta at each new stage, i SGD iterations,
-    the gradient clipped as train.py clips it, AdamW at its learning rate and schedule), so each
-    batch is compared at the parameters the run had when it trained on it, up to the order of float
-    sums: pi_k then lags alpha by the batch's place in its v-window, as it did live. `step` returns
+    """--follow: the parameters move along the recorded run's own updates, batch after batch, by the
+    trainer's own step under its config (train.plan_batch, sgd_iteration, optimizer_step: micro-batches
+    of optim.token_budget, beta with pi_ref, pi_ref <- pi_theta at each new stage, i SGD iterations,
+    clipping, AdamW at its learning rate and schedule), so each batch is compared at the parameters
+    the run had when it trained on it, up to the order of float sums between its ranks and this one
+    process: pi_k then lags alpha by the batch's place in its v-window, as it did live. `step` returns
     the run objective's gradient norm before clipping, per SGD iteration (the run logged grad_norm)."""
 
-    def __init__(self, policy: Policy, run_cfg: TrainConfig, model_path: str):
-        self.policy, self.cfg, self.stage = policy, run_cfg, 0
-        self.ref = None
-        if run_cfg.objective.beta > 0:
-            self.ref = Policy(load_model(model_path, dtype=torch.float32).requires_grad_(False),
-                              run_cfg.grpo.temperature, run_cfg.kernels)
-        self.optimizer = build_optimizer(policy, run_cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, run_cfg.grpo.S * run_cfg.grpo.M * run_cfg.grpo.i,
-                                         run_cfg.optim)
+    def __init__(self, policy: Policy, run_cfg: TrainConfig, model_path: str, pad_token_id: int):
+        self.cfg, self.stage = run_cfg, 0
+        ref = trainer_policy(run_cfg, model_path, trainable=False) if run_cfg.objective.beta > 0 else None
+        optimizer = build_optimizer(policy, run_cfg.optim)
+        scheduler = build_scheduler(optimizer, run_cfg.grpo.S * run_cfg.grpo.M * run_cfg.grpo.i, run_cfg.optim)
+        self.run = trainer_run(run_cfg, policy, pad_token_id, ref, optimizer, scheduler)
 
     def step(self, stream: RecordedStream, stage: int, k: int) -> list[float]:
-        if stage != self.stage and self.ref is not None:  # the end of a stage: pi_ref <- pi_theta
-            self.ref.load_state_dict(self.policy.state_dict())
+        run = self.run
+        if stage != self.stage and run.ref_policy is not None:  # the end of a stage: pi_ref <- pi_theta
+            copy_policy(run.ref_policy, run.policy)
         self.stage = stage
-        rollout = stream.rollout(stage, k, self.cfg)
-        logp_k, norms = None, []
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        micro_batches, denominators, _ = train.plan_batch(run, stream.rollout(stage, k, self.cfg))
+        cache, norms = train.BatchCache(), []
         for _ in range(self.cfg.grpo.i):
-            self.policy.zero_grad(set_to_none=True)
-            _, _, logp = gradient(self.policy, rollout, self.cfg, self.ref, logp_k)
-            logp_k = logp if logp_k is None else logp_k  # pi_k: the parameters before the first iteration
-            norms.append(float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm=max_norm)))
-            self.optimizer.step()
-            self.scheduler.step()
-        self.policy.zero_grad(set_to_none=True)
+            train.sgd_iteration(run, micro_batches, cache, denominators)
+            grad_norm, _ = train.optimizer_step(run)
+            norms.append(grad_norm)
         return norms
 
 
@@ -116,16 +138,16 @@ def compare(run_dir: Path, base: TrainConfig, objectives: list[tuple[str, TrainC
     """A row per batch and objective; with `follow` (the recorded run's config) the parameters move
     along that run's updates (Follower) and each row holds the batch's alpha_lag_steps."""
     stream = RecordedStream(run_dir)
-    stream.check_batches(sorted(stream.files), base, model_and_tokenizer(model_path, load_tokenizer(model_path)))
-    lm = load_model(model_path, dtype=torch.float32)
-    policy = Policy(lm, base.grpo.temperature, base.kernels)
-    follower = Follower(policy, follow, model_path) if follow is not None else None
+    tokenizer = load_tokenizer(model_path)
+    stream.check_batches(sorted(stream.files), base, model_and_tokenizer(model_path, tokenizer))
+    policy = trainer_policy(follow or base, model_path, trainable=True)
+    follower = Follower(policy, follow, model_path, tokenizer.pad_token_id) if follow is not None else None
     rows = []
     for stage, k in sorted(stream.files):
         reference, first = None, len(rows)
         for name, cfg in objectives:
             rollout = stream.rollout(stage, k, cfg)
-            grad, stats, _ = gradient(policy, rollout, cfg)
+            grad, stats = gradient(policy, rollout, cfg, tokenizer.pad_token_id)
             reference = grad if reference is None else reference
             denom = float(grad.norm() * reference.norm())
             rows.append({"stage": stage, "iteration": k, "objective": name, "grad_norm": float(grad.norm()),
@@ -192,7 +214,11 @@ def main(argv=None) -> int:
                       for name, over in map(parse_objective, args.objective)]
         follow = load_config(TrainConfig, str(run_dir / "config.yaml"), ["replay=null", "eval_data=null"]) \
             if args.follow else None
-        rows = compare(run_dir, base, objectives, args.model or base.model.path, follow)
+        init_distributed(DEVICE)  # FSDP2's process group: this process alone
+        try:
+            rows = compare(run_dir, base, objectives, args.model or base.model.path, follow)
+        finally:
+            close_distributed()
     except (ConfigError, ReplayError) as e:
         print(f"compare_objectives: {e}", file=sys.stderr)
         return 2
