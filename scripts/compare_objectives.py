@@ -13,8 +13,8 @@ and reports per batch: the gradient norm, the cosine between each update and the
 loss, the clip fraction and the fraction of tokens a correction masked. One process, no server,
 no optimizer: the parameters never move, so every difference is the objective's. The policy is the
 trainer's own (train.build_policy, FSDP2 over this one process): it computes in the precision the
-config's model.dtype gives on this machine (bf16 mixed precision on a GPU or where the CPU multiplies
-bf16, fp32 elsewhere), as the run did when it ran on the same kind of machine.
+config's model.dtype gives on this machine's CPU (bf16 mixed precision where it multiplies bf16, fp32
+elsewhere), as the run computed where it trained on the same kind of CPU.
 
 With --follow the parameters move between batches along the recorded run's own updates, taken by
 the trainer's own step (train.plan_batch, sgd_iteration, optimizer_step under the run's config: the
@@ -83,9 +83,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def trainer_policy(cfg: TrainConfig, model_path: str, trainable: bool) -> Policy:
     """The policy train.py would build from `model_path` under cfg: FSDP2 over this process, in the
-    compute dtype model.dtype gives here, the LM head in the trainer's CPU math mode. Before, this was
-    a plain fp32 model: on a machine where the run trained in bf16, --follow's gradient norms left the
-    run's from the first step (1.5e-4 relative) and by 5% after eight."""
+    compute dtype model.dtype gives here, the LM head in the trainer's CPU math mode. A plain fp32
+    model is not the run's arithmetic where the run trained in bf16: --follow's gradient norms left
+    the run's from the first step (1.5e-4 relative) and by 5% after eight."""
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
     policy = train.build_policy(cfg, DEVICE, trainable)
     from grpo.cpu.bf16 import install_lm_head_bf16_math
