@@ -118,23 +118,21 @@ def init_distributed(device: torch.device | str = "cpu", timeout_s: float = Para
     """The default process group for `device` (this rank's, from grpo.layout) with the time-out, and
     with several ranks the watchdog that stops this rank when another is lost (RankWatchdog)."""
     die_with_launcher()
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=process_group_backend(device.type),
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        group = dict(backend=process_group_backend(device.type), timeout=datetime.timedelta(seconds=timeout_s),
+                     device_id=device if device.type == "cuda" else None)
+        if "WORLD_SIZE" in os.environ:  # torchrun (or another env:// launcher) says where the group meets
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            dist.init_process_group(**group)
+        else:
+            # A process started without a launcher is a world of one: its store lives in the process.
+            # Before, it wrote RANK, WORLD_SIZE and a free MASTER_PORT into os.environ, which every child
+            # started afterwards inherited: processes a caller started in parallel then met on that one
+            # port (EADDRINUSE) or took it for a launcher's.
+            dist.init_process_group(**group, store=dist.HashStore(), rank=0, world_size=1)
     global _watchdog
     if _watchdog is None and dist.get_world_size() > 1:
         _watchdog = RankWatchdog(dist.get_rank(), dist.get_world_size(), heartbeat_timeout_s)
@@ -143,7 +141,7 @@ def init_distributed(device: torch.device | str = "cpu", timeout_s: float = Para
             # torchrun SIGTERMs every rank when one fails. Until the run sets its own handler (train.py's
             # StopFlag, after start-up), that signal would end this rank before the watch names the peer.
             signal.signal(signal.SIGTERM, _watchdog.name_the_lost_rank_then_end)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]), device)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), device)
 
 
 EXIT_LOST_RANK = 75  # a rank was lost (os.EX_TEMPFAIL: try again later, with --resume)

@@ -425,3 +425,24 @@ def test_an_unmoved_gather_returns_the_parameters_themselves():
     for name, t in full.items():
         assert t.dtype == torch.float32 and t.data_ptr() == params[name].data_ptr(), name
     assert full["lm_head.weight"] is full["model.embed_tokens.weight"]
+
+
+@pytest.mark.torchrun
+def test_a_process_without_a_launcher_is_a_world_of_one_that_leaves_the_environment_alone():
+    """A script that makes its group in-process (scripts/compare_objectives.py, a plain `python
+    train.py`) gets a world of one with its store in the process. Before, init_distributed wrote
+    RANK, WORLD_SIZE and a free MASTER_PORT into os.environ: a caller that then started processes in
+    parallel (tests/test_bad_input.py after the in-process --follow test) had them all meet on that
+    port, and one died with EADDRINUSE. Two such processes side by side also each make their group."""
+    code = ("import json, os, sys; from grpo.parallel import init_distributed, all_reduce_sum, close_distributed; "
+            "info = init_distributed('cpu'); total = all_reduce_sum({'x': 3.0})['x']; "
+            "leaked = sorted(k for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT') if k in os.environ); "
+            "close_distributed(); print(json.dumps([info.rank, info.world_size, total, leaked]))")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        assert json.loads(out.splitlines()[-1]) == [0, 1, 3.0, []]
