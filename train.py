@@ -48,7 +48,7 @@ from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_mode
 from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, logged_stats,
                             merge_stats, token_weights)
 from grpo.optim import build_optimizer, build_scheduler
-from grpo.parallel import (EXIT_LOST_RANK, DistInfo, all_reduce_max, all_reduce_sum, broadcast_json,
+from grpo.parallel import (EXIT_LOST_RANK, DistInfo, HostStaging, all_reduce_max, all_reduce_sum, broadcast_json,
                            close_distributed, device_memory_bytes, gather_full_state_dict, gradient_sync_plan,
                            init_distributed, launch_env, lost_rank, on_lost_rank, on_main_rank, say, shard_model,
                            stop_watchdog)
@@ -150,6 +150,7 @@ class Run:
     sampler: Optional[PromptSampler] = None
     eval_problems: Optional[list] = None
     sample_ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
+    push_staging: HostStaging = field(default_factory=HostStaging)  # the push gather's reused host buffer (rank 0)
     recorded: Optional[RecordedStream] = None  # --replay: the batches a run recorded, in place of the server (rank 0)
     instruments: OffPolicyInstruments  # staleness split, parity probe, recording (grpo/instruments.py)
 
@@ -329,7 +330,7 @@ def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
     t0 = time.time()
     if run.cfg.replay:
         return progress.after_push(progress.weights_version + 1, progress.weights_dir), {"bytes": 0.0, "seconds": 0.0}
-    full_state = gather_full_state_dict(run.policy.lm, dtype=run.serve_dtype)  # {} on ranks > 0
+    full_state = gather_full_state_dict(run.policy.lm, dtype=run.serve_dtype, staging=run.push_staging)  # {} on ranks > 0
     if run.shares_gpu_with_server:
         # vLLM's layer-wise reload allocates on the GPU this trainer shares: hand back cached blocks
         torch.cuda.empty_cache()
