@@ -99,7 +99,8 @@ def test_bad_parity_settings_name_their_key(key, value):
 
 # ---- the trainer's side of the probe ------------------------------------------------------------
 
-@pytest.mark.parametrize("share_prompts", [False, True])
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("share_prompts", [False, "sdpa", "flex"])
 def test_the_trainer_scores_the_probe_as_hf_does(tmp_path, share_prompts):
     from grpo.models import load_model
     from grpo.policy import Policy
@@ -117,9 +118,9 @@ def test_the_trainer_scores_the_probe_as_hf_does(tmp_path, share_prompts):
             want.append(torch.log_softmax(logits.double() / T, -1).gather(
                 -1, torch.tensor(s.completion_ids)[:, None])[:, 0].tolist())
     if share_prompts:
-        use_shared_prompt_attention(lm)
+        assert use_shared_prompt_attention(lm, share_prompts) == share_prompts
     got = trainer_logprobs(Policy(lm, T, KernelConfig(backend="torch")), probe, pad_id=0,
-                           device=torch.device("cpu"), share_prompts=share_prompts)
+                           device=torch.device("cpu"), share_prompts=bool(share_prompts))
     assert [len(x) for x in got] == [7, 3, 1]
     for g_seq, w_seq in zip(got, want):
         assert g_seq == pytest.approx(w_seq, abs=2e-5)
