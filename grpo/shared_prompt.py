@@ -28,7 +28,7 @@ transformers under their own names:
   blocks that no query sees are skipped, so the work is what the mask allows. Compiled on CUDA
   (flex_attention must be, to be fast); the sequence is padded to a few lengths
   (`padded_length`) so that the compiled kernel is reused rather than rebuilt for every
-  micro-batch.
+  micro-batch (a new micro-batch of the same padded length compiled nothing on an H200).
 
 `use_shared_prompt_attention(lm, "auto")` picks flex for a model on CUDA and sdpa elsewhere.
 """
@@ -196,8 +196,15 @@ def flex_attention_rows(module, query, key, value, attention_mask=None, dropout:
         x = x.transpose(0, 1).reshape(1, x.shape[1], rows * row_len, dim)
         return F.pad(x, (0, 0, 0, length - rows * row_len))
 
-    out = _flex_fn(query.device)(flat(query), flat(key), flat(value), block_mask=block_mask, scale=scaling,
-                                 enable_gqa=heads != key.shape[1])
+    # Key/value heads repeated to the query heads rather than enable_gqa: FlexAttention's dK/dV
+    # programs are one per (key block, key head), each looping over its query heads, so with
+    # Qwen2.5-0.5B's 14 query heads on 2 key heads the backward ran 128 programs, the prompt's
+    # blocks (seen by every query of their row) 7 x 26 query blocks long: 1.0 ms per layer on an
+    # H200, five times the forward (docs/benchmarks/gpu-h200.md). Repeated, each program has one head.
+    groups = heads // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = _flex_fn(query.device)(flat(query), flat(key), flat(value), block_mask=block_mask, scale=scaling)
     out = out[0, :, :rows * row_len].unflatten(1, (rows, row_len))  # [H, R, T, D]
     return out.permute(1, 2, 0, 3).contiguous(), None
 
