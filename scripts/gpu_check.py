@@ -12,8 +12,9 @@ Each step runs in its own process group (a CUDA fault in one cannot poison the n
 ends everything the step started) and reports a dict. The report holds every step's dict, its
 status (passed / failed, with why / not run, with why) and seconds, the code commit, and a summary
 of what the passed steps prove about the GPU path and what they do not. The summary line says it
-too; the exit code is 1 when a step failed. A step not run is never a pass: `--status-row REPORT`
-prints the README's GPU status row from a report, naming what was not run.
+too; the exit code is 1 when a step failed. A step not run is never a pass: `--status-row REPORTS`
+prints the README's GPU status row from reports, each step from the newest report that ran it,
+naming what was not run.
 
     scripts/gpu_check.sh                 # all steps on cuda:0, report in $OUT (or runs/gpu_check)
     scripts/gpu_check.sh --dry-run       # list the steps, run nothing
@@ -21,7 +22,7 @@ prints the README's GPU status row from a report, naming what was not run.
     scripts/gpu_check.sh --budget-s 500  # inside a 10-minute command limit: later steps "not run (out of time)"
     scripts/gpu_check.sh --only engine --engine-model /models/Qwen2.5-0.5B-Instruct   # the engine on a real model
     scripts/gpu_check.sh --only parity   # some steps (the others: "not run (not chosen)")
-    python scripts/gpu_check.py --status-row docs/benchmarks/gpu-h200/<report>.json   # the README's row
+    python scripts/gpu_check.py --status-row docs/benchmarks/gpu-h200/<reports>.json   # the README's row
 """
 from __future__ import annotations
 
@@ -645,6 +646,7 @@ PROVES = {
     "engine": "the vLLM engine on the GPU (generate, score, push, fingerprint, parity)",
 }
 NEVER_HERE = "a multi-GPU run and the paper's runs (one GPU, no dataset or model hub)"
+NOT_CHOSEN = "not chosen (--only)"
 
 
 def run_step(name: str, args, timeout_s: float) -> dict:
@@ -709,18 +711,45 @@ def summary(report: dict) -> dict:
             "not_proved": [PROVES[n] for n in PROVES if n not in proving]}
 
 
-def status_row(report: dict, link: str) -> str:
-    """The README's GPU status row, from a report alone: what passed, failed and did not run."""
-    env = report["steps"].get("environment", {}).get("result", {})
-    s = report["summary"]
-    where = (f"`scripts/gpu_check.sh` at {report.get('commit') or 'an unrecorded commit'} on one "
-             f"{env.get('device', 'unknown device')} (torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}, "
-             f"{'vLLM ' + env['vllm'] if env.get('vllm') else 'no vLLM'}; [report]({link}))")
-    parts = [f"{where}: passed: {'; '.join(s['proved']) or 'nothing'}"]
-    if s["failed"]:
-        parts.append("FAILED: " + "; ".join(f"{n} ({why})" for n, why in s["failed"].items()))
-    if s["not_run"]:
-        parts.append("not run: " + "; ".join(f"{PROVES.get(n, n)} ({why})" for n, why in s["not_run"].items()))
+# A report written before the three-way statuses says ok / FAIL / error / timeout / skipped.
+_OLD_STATUS = {"ok": "passed", "FAIL": "failed", "error": "failed", "timeout": "failed", "skipped": "not run"}
+
+
+def step_status(step: dict) -> tuple[str, str]:
+    """(passed | failed | not run, why) of a report's step, in either report format."""
+    status = _OLD_STATUS.get(step["status"], step["status"])
+    why = step.get("why") or (step.get("result") or {}).get("skipped") or step["status"]
+    return status, why
+
+
+def status_row(reports: list[tuple[dict, str]]) -> str:
+    """The README's GPU status row from reports alone (each with its link): for every step, the
+    newest report that ran it says whether it passed, failed or was not run, at which commit."""
+    latest: dict[str, tuple[str, str, dict, str]] = {}
+    for report, link in reports:  # oldest first: a later report's run of a step replaces an earlier one
+        for name, step in report["steps"].items():
+            status, why = step_status(step)
+            if why == NOT_CHOSEN and name in latest:
+                continue  # a run that left a step out says nothing new about it
+            if status != "not run" or name not in latest or latest[name][0] == "not run":
+                latest[name] = (status, why, report, link)
+    env = next((r["steps"]["environment"]["result"] for r, _ in reversed(reports)
+                if step_status(r["steps"].get("environment", {"status": "not run"}))[0] == "passed"), {})
+    head = (f"`scripts/gpu_check.sh` on one {env.get('device', 'unknown device')} (torch {env.get('torch', '?')}, "
+            f"Triton {env.get('triton', '?')}, {'vLLM ' + env['vllm'] if env.get('vllm') else 'no vLLM'})")
+    passed: dict[str, list[str]] = {}
+    for name, (status, _, report, link) in latest.items():
+        if status == "passed" and name in PROVES:
+            where = f"at {report.get('commit') or 'an unrecorded commit'}, [report]({link})"
+            passed.setdefault(where, []).append(PROVES[name])
+    parts = [f"{head}: passed: " + ("; ".join(f"{'; '.join(what)} ({where})" for where, what in passed.items())
+                                     or "nothing")]
+    failed = [f"{n} ({why})" for n, (status, why, _, _) in latest.items() if status == "failed"]
+    if failed:
+        parts.append("FAILED: " + "; ".join(failed))
+    not_run = [f"{PROVES.get(n, n)} ({why})" for n, (status, why, _, _) in latest.items() if status == "not run"]
+    if not_run:
+        parts.append("not run: " + "; ".join(not_run))
     parts.append(f"never run on a GPU: {NEVER_HERE}")
     return "| **GPU** | " + ". ".join(parts) + " |"
 
@@ -741,11 +770,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="bench_kernels without its 48-launch sweep")
     ap.add_argument("--commit", default=None, help="the code commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--engine-model", default="tiny", help="the engine step's model: tiny, smollm2 or an HF directory")
-    ap.add_argument("--status-row", metavar="REPORT", help="print the README's GPU status row made from REPORT and exit")
+    ap.add_argument("--status-row", metavar="REPORT", nargs="+",
+                    help="print the README's GPU status row made from these reports (oldest first) and exit")
     args = ap.parse_args(argv)
     if args.status_row:
-        report = json.loads(Path(args.status_row).read_text())
-        print(status_row(report, os.path.relpath(args.status_row, ROOT)))
+        print(status_row([(json.loads(Path(p).read_text()), os.path.relpath(Path(p).resolve(), ROOT))
+                          for p in args.status_row]))
         return 0
     steps = dict((name, fn) for name, fn, _ in STEPS)
     if args.step:
@@ -772,7 +802,7 @@ def main(argv=None) -> int:
     start = time.monotonic()
     for name, _, _ in STEPS:
         if name not in chosen:
-            report["steps"][name] = dict(status="not run", why="not chosen (--only)", seconds=0.0)
+            report["steps"][name] = dict(status="not run", why=NOT_CHOSEN, seconds=0.0)
             continue
         timeout_s = float(args.step_timeout_s)
         if args.budget_s is not None:

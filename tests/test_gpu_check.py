@@ -98,11 +98,22 @@ def test_a_step_not_run_is_never_reported_as_proved():
     assert s["passed"] == ["parity", "fsdp", "environment"]
     assert s["not_run"] == {"engine": "vLLM not installed"} and s["failed"] == {"push": "timeout after 240 s"}
     assert gpu_check.PROVES["engine"] in s["not_proved"] and gpu_check.PROVES["engine"] not in s["proved"]
-    row = gpu_check.status_row(report, "docs/benchmarks/gpu-h200/r.json")
+    row = gpu_check.status_row([(report, "docs/benchmarks/gpu-h200/r.json")])
     passed_part = row.split(". FAILED")[0]
-    assert "vLLM" not in passed_part.split("no vLLM;")[1] and gpu_check.PROVES["parity"] in passed_part
+    assert "vLLM" not in passed_part.split("no vLLM)")[1] and gpu_check.PROVES["parity"] in passed_part
     assert f"not run: {gpu_check.PROVES['engine']} (vLLM not installed)" in row
-    assert "FAILED: push (timeout after 240 s)" in row and "at abc1234 on one NVIDIA H200" in row
+    assert "FAILED: push (timeout after 240 s)" in row and "(at abc1234, [report](docs/benchmarks/gpu-h200/r.json))" in row
+    # a later report that ran the push replaces the failure; one that did not run parity keeps the pass
+    later = _report(push=("passed", None), parity=("not run", "not chosen (--only)"))
+    later["commit"] = "def5678"
+    row = gpu_check.status_row([(report, "a.json"), (later, "b.json")])
+    assert "FAILED" not in row and f"{gpu_check.PROVES['push']} (at def5678, [report](b.json))" in row
+    assert f"{gpu_check.PROVES['parity']}; {gpu_check.PROVES['fsdp']} (at abc1234, [report](a.json))" in row
+    # the format before the three-way statuses: ok / skipped
+    old = {"steps": {"engine": {"status": "skipped", "result": {"skipped": "vLLM not installed"}},
+                     "fsdp": {"status": "ok"}}, "commit": None}
+    assert gpu_check.step_status(old["steps"]["engine"]) == ("not run", "vLLM not installed")
+    assert gpu_check.PROVES["fsdp"] in gpu_check.status_row([(old, "o.json")]).split("not run")[0]
 
 
 def test_the_readme_gpu_row_is_made_from_the_committed_report():
@@ -114,9 +125,10 @@ def test_the_readme_gpu_row_is_made_from_the_committed_report():
 
     readme = (ROOT / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| **GPU** |"))
-    link = re.search(r"\[report\]\(([^)]+)\)", row).group(1)
-    report = json.loads((ROOT / link).read_text())
-    assert row == gpu_check.status_row(report, link)
+    links = list(dict.fromkeys(re.findall(r"\[report\]\(([^)]+)\)", row)))
+    assert links, row
+    reports = sorted(((json.loads((ROOT / link).read_text()), link) for link in links), key=lambda r: r[0]["started"])
+    assert row == gpu_check.status_row(reports)
 
 
 @pytest.mark.torchrun
