@@ -54,7 +54,7 @@ replicate: install
 	$(SWEEP) --name fig2-cpu-2-v --seeds $(VSWEEP_SEEDS) $(VSWEEP)
 	test -f $(REPLAY_RUN)/compare/compare.jsonl || $(PY) scripts/compare_objectives.py \
 		--run $(REPLAY_RUN) --follow $(OBJECTIVES)
-	$(PY) scripts/fig2_report.py --sweep runs/sweeps/fig2-cpu-2 \
+	$(PY) scripts/fig2_report.py --design $(FIG2_DESIGN) --sweep runs/sweeps/fig2-cpu-2 \
 		--vsweep runs/sweeps/fig2-cpu-2-v --compare $(REPLAY_RUN)/compare --out docs/fig2_cpu.md
 
 bench: install
