@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from grpo import metrics, preflight
+from grpo import metrics, preflight, provenance
 from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_batches, group_row_length,
                            group_rows, plan_micro_batches)
 from grpo.checkpoint import CheckpointError, Checkpointer, check_shared_directory, export_hf
@@ -197,6 +197,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+        provenance.record(run_dir)  # this start's code commit (and changes), machine and command line
     checkpointer = Checkpointer(cfg.checkpoint, run_dir)
     try:  # several nodes: every rank writes into the checkpoint directory rank 0 creates
         check_shared_directory(checkpointer.dir)

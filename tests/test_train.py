@@ -237,6 +237,16 @@ def test_eval_before_and_after_and_exports(two_rank_run):
     assert all(verify_checkpoint(c) is None for c in ckpts)
 
 
+def test_the_run_records_its_commit_and_machine_at_start(two_rank_run):
+    """provenance.jsonl beside config.yaml: one line for the one start (rank 0's), with this checkout's
+    commit, whether it had changes, and the machine (what scripts/fig2_report.py counts runs by)."""
+    starts = [json.loads(line) for line in (two_rank_run / "provenance.jsonl").read_text().splitlines()]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert len(starts) == 1 and starts[0]["commit"] == head and isinstance(starts[0]["dirty"], bool)
+    assert starts[0]["machine"]["usable_cores"] >= 1 and starts[0]["machine"]["cpu"]
+    assert starts[0]["argv"][0].endswith("train.py") and "--config" in starts[0]["argv"]
+
+
 def test_wandb_offline_run_holds_the_metrics(two_rank_run):
     files = run_file(two_rank_run)
     assert len(files) == 1
