@@ -60,7 +60,7 @@ from grpo.rollout import Rollout, sample_rollout, shard_samples
 from grpo.serving.fleet import ServerFleet
 from grpo.serving.inference import check_context_fits, serving_dtype
 from grpo.shared_prompt import use_shared_prompt_attention
-from grpo.train_config import TrainConfig
+from grpo.train_config import TrainConfig, eval_reads_training_data
 
 # ------------------------------------------------------------------------------------------------
 # Set-up
@@ -191,6 +191,8 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         sampler = named_input("data", lambda: make_sampler(cfg.data, cfg.grpo.batch_prompts, seed=cfg.seed))
         if cfg.eval_data is not None:
             eval_problems = named_input("eval_data", lambda: load_problems(cfg.eval_data))
+        if eval_reads_training_data(cfg):
+            print(f"[train] {eval_reads_training_data(cfg)}", file=sys.stderr)
         check_prompts_fit(cfg, tokenizer, sampler, eval_problems)
     run_dir = Path(cfg.log.out_dir) / cfg.log.run_name
     if info.is_main:

@@ -181,6 +181,18 @@ def _deep_merge(base: dict, child: dict) -> dict:
     return out
 
 
+def unshared(value: Any) -> Any:
+    """A copy of a YAML tree in which no two places hold the same dict or list. PyYAML hands back
+    one object for an anchor and each of its aliases (`eval_data: *data`), so an override of one
+    section (`data.dataset=...`, applied in place) rewrote the other too. copy.deepcopy keeps such
+    sharing (its memo), so the tree is rebuilt node by node: every section its own value."""
+    if isinstance(value, dict):
+        return {key: unshared(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [unshared(item) for item in value]
+    return value
+
+
 def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     """A config file as a dict; `base: other.yaml` (relative to the file; or a list of files, merged
     in order) is read first and the file's own keys override it, section by section, so experiment
@@ -199,6 +211,7 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
         loaded = {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{source}: top level must be a mapping of sections")
+    loaded = unshared(loaded)
     base = loaded.pop("base", None)
     if base is not None:
         bases = [base] if isinstance(base, str) else base
