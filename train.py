@@ -55,7 +55,7 @@ from grpo.parallel import (EXIT_LOST_RANK, DistInfo, all_reduce_max, all_reduce_
 from grpo.policy import ObjectiveInputs, Policy, copy_policy
 from grpo.progress import Progress
 from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
-from grpo.rewards import RewardScorer
+from grpo.rewards import RewardError, RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
 from grpo.serving.fleet import ServerFleet
 from grpo.serving.inference import check_context_fits, serving_dtype
@@ -355,20 +355,36 @@ def batch_seed(cfg: TrainConfig, stage: int, k: int) -> int:
 def sample_batch(run: Run, progress: Progress, k: int, seed: int) -> Rollout:
     """Rank 0 samples the next prompts, G completions each from alpha, scores them (or takes the
     batch sampled ahead, waiting for it); every rank gets the rollout."""
-    rollout = None
-    if run.dist.is_main and run.recorded is not None:  # --replay: the batch as the recorded run trained on it
-        rollout = run.recorded.rollout(progress.stage, k, run.cfg)
-        rollout.stats["time_wait_generate"] = 0.0
-        rollout = rollout.to_json()
-    elif run.dist.is_main:
+    def sample() -> dict:
+        if run.recorded is not None:  # --replay: the batch as the recorded run trained on it
+            rollout = run.recorded.rollout(progress.stage, k, run.cfg)
+            rollout.stats["time_wait_generate"] = 0.0
+            return rollout.to_json()
         t0 = time.time()
         pending = run.sample_ahead.take(seed)
         rollout = pending.result() if pending else sample_rollout(
             run.server, run.sampler.next_batch(), run.tokenizer, run.cfg, run.scorer, seed,
             expected_version=progress.weights_version, engine_threads=run.sample_ahead.threads_for(run.cfg, k))
         rollout.stats["time_wait_generate"] = time.time() - t0  # what the trainer waited for samples
-        rollout = rollout.to_json()
-    return Rollout.from_json(broadcast_json(rollout))
+        return rollout.to_json()
+
+    return Rollout.from_json(on_main_rank_or_stop(run, sample))
+
+
+def on_main_rank_or_stop(run: Run, work):
+    """work() on rank 0, its JSON result on every rank (collective). A reward term the run cannot
+    trust there (grpo.rewards.RewardError: failures past reward.max_failed_frac, a value outside
+    its range) stops every rank alike, with its one line."""
+    outcome = None
+    if run.dist.is_main:
+        try:
+            outcome = {"result": work()}
+        except RewardError as e:
+            outcome = {"stopped": str(e)}
+    outcome = broadcast_json(outcome)
+    if "stopped" in outcome:
+        raise RunStopped(outcome["stopped"])
+    return outcome["result"]
 
 
 class SampleAhead:
@@ -560,10 +576,14 @@ def eval_due(cfg: TrainConfig, progress: Progress, stage: int, k: int) -> bool:
 
 
 def evaluate_policy(run: Run, progress: Progress) -> None:
-    if run.dist.is_main and run.eval_problems is not None:
-        summary, _ = evaluate(run.server, run.tokenizer, run.eval_problems, run.cfg.eval_data, run.cfg.eval,
-                              run.scorer)
-        run.logger.log(metrics.eval_row(progress.step, summary))
+    """The held-out evaluation on rank 0 (collective: every rank stops alike if a reward term fails it)."""
+    def evaluate_and_log() -> None:
+        if run.eval_problems is not None:
+            summary, _ = evaluate(run.server, run.tokenizer, run.eval_problems, run.cfg.eval_data, run.cfg.eval,
+                                  run.scorer)
+            run.logger.log(metrics.eval_row(progress.step, summary))
+
+    on_main_rank_or_stop(run, evaluate_and_log)
 
 
 def save_checkpoint(run: Run, progress: Progress) -> None:

@@ -242,17 +242,19 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
 
 
 def import_plugins(names: Any, source: str) -> None:
-    """Import the modules a config's `plugins:` names; a bad one is one line naming it."""
-    from grpo.registry import import_plugin
+    """Import the modules a config's `plugins:` names; a bad one is one line naming it: one that is not
+    there, and whatever a module raises while it is imported (its own ValueError, a registration
+    the registry refused: a name taken, a knob that collides), with the file or module it came from."""
+    from grpo.registry import PluginNotFound, import_plugin
 
     names = _coerce(names, list[str], "plugins", source)
     for name in names:
         try:
             import_plugin(name)
-        except ValueError as e:
+        except PluginNotFound as e:
             raise ConfigError(f"{source}: {e}") from None
         except Exception as e:  # the user's module failed while importing: its own error, in one line
-            raise ConfigError(f"{source}: plugins: {name}: {type(e).__name__}: {e}") from None
+            raise ConfigError(f"{source}: plugins: {name}: {type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 def to_dict(cfg: Any) -> dict:

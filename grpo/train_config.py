@@ -16,7 +16,7 @@ from grpo.metrics import LogConfig
 from grpo.objective import ObjectiveConfig
 from grpo.parallel import ParallelConfig
 from grpo.parity import ParityConfig
-from grpo.rewards import RewardConfig
+from grpo.rewards import RewardConfig, reward_range
 from grpo.serving.inference import ServerConfig
 from kernels import KernelConfig
 
@@ -121,6 +121,10 @@ class TrainConfig:
             raise ValueError(f"eval_every: must be 0 or a multiple of grpo.v={self.grpo.v}, got {self.eval_every}")
         if self.grpo.batch_prompts * self.grpo.G < 1:
             raise ValueError("grpo.batch_prompts: empty batch")
+        lo, hi = reward_range(self.reward, self.grpo.max_new_tokens)  # what the bound's M scales rewards by
+        if not hi > lo:
+            raise ValueError(f"reward.terms: the weighted reward has no range ([{lo:g}, {hi:g}]) at grpo.max_new_tokens="
+                             f"{self.grpo.max_new_tokens}: give a term that can fire there a nonzero weight")
 
 
 def eval_reads_training_data(cfg: TrainConfig) -> Optional[str]:
