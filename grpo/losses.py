@@ -559,11 +559,6 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":
-    import importlib
     import sys
 
-    module = importlib.import_module("grpo.losses")  # the registry, not this file run a second time as __main__
-    if sys.argv[1:2] == ["--write"]:
-        registry.write_block(sys.argv[2], module.DOCS_BEGIN, module.DOCS_END, module.markdown())
-    else:
-        print(module.markdown(), end="")
+    sys.exit(registry.docs_main("grpo.losses"))  # [--write FILE] [--plugins P ...] [--config C]

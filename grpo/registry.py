@@ -310,6 +310,37 @@ def write_block(path: str, begin: str, end: str, text: str) -> None:
     file.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
+def docs_main(module: str, argv: Optional[list] = None, load: Optional[Callable[[], None]] = None) -> int:
+    """`python -m <module> [--write FILE] [--plugins P ...] [--config C]`: the registry's tables of
+    `module` (its `markdown()`), with the user's own entries: the plugins named, and those a config
+    names under `plugins:`. --write replaces the generated block of FILE; else they are printed.
+    load: imports what declares the rest (grpo.metrics: the run's modules). A bad plugin: one line, 2."""
+    import argparse
+
+    from grpo.config import ConfigError, import_plugins, read_yaml
+
+    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=f"the generated tables of {module}")
+    ap.add_argument("--write", metavar="FILE", help="replace the generated block of FILE (else: print the tables)")
+    ap.add_argument("--plugins", nargs="+", default=[], metavar="PLUGIN", help="the user's files or modules to include")
+    ap.add_argument("--config", help="include the plugins this config names")
+    args = ap.parse_args(argv)
+    try:
+        names = list(args.plugins) + (read_yaml(args.config).get("plugins", []) if args.config else [])
+        import_plugins(names, args.config or "command line")
+        if load is not None:
+            load()
+        text = importlib.import_module(module).markdown()  # the registry, not a file run again as __main__
+        if args.write:
+            write_block(args.write, *(getattr(importlib.import_module(module), k) for k in ("DOCS_BEGIN", "DOCS_END")),
+                        text)
+        else:
+            print(text, end="")
+    except (ConfigError, ValueError) as e:
+        print(f"{module}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def generated_block(path: str, begin: str, end: str) -> str:
     """What stands between `begin` and `end` in the file `path` (the docs tests compare it)."""
     return Path(path).read_text().split(begin)[1].split(end)[0]
