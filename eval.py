@@ -39,7 +39,7 @@ from grpo.evaluation import EvalConfig, evaluate
 from grpo.fsutil import own_temp_dir
 from grpo.layout import LayoutError, plan_layout, visible_gpus
 from grpo.models import ModelPathError, resolve_model_path
-from grpo.rewards import RewardConfig, RewardScorer
+from grpo.rewards import RewardConfig, RewardError, RewardScorer
 from grpo.serving.client import InferenceServerError
 from grpo.serving.fleet import ServerFleet
 from grpo.serving.inference import ServerConfig
@@ -215,6 +215,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, EvalError, DataError, FileNotFoundError) as e:
         print(f"eval.py: error: {e}", file=sys.stderr)
         return 2
+    except RewardError as e:  # a reward term failed past reward.max_failed_frac, or left its range: one line
+        print(f"eval.py: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("eval.py: interrupted", file=sys.stderr)
         return 130

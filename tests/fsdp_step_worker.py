@@ -15,7 +15,6 @@ import json
 import os
 import random
 import sys
-from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -28,8 +27,7 @@ from grpo import objective as O  # noqa: E402
 from grpo.advantages import group_advantages  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
-from grpo.parallel import (close_distributed, device_memory_bytes, gather_full_state_dict, gradient_sync_plan,  # noqa: E402
-                           init_distributed)
+from grpo.parallel import close_distributed, gather_full_state_dict, init_distributed  # noqa: E402
 from grpo.rollout import Rollout, Sample  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
 
@@ -65,11 +63,8 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     policy = train.build_policy(cfg, info.device, trainable=True)
     ref = train.build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
     optimizer = build_optimizer(policy, cfg.optim)
-    run = SimpleNamespace(cfg=cfg, dist=info, policy=policy, ref_policy=ref, optimizer=optimizer,
-                          scheduler=build_scheduler(optimizer, 10, cfg.optim), tokenizer=SimpleNamespace(pad_token_id=0),
-                          sample_ahead=train.SampleAhead(),  # nothing sampled ahead
-                          sync_every_micro_batch=gradient_sync_plan(cfg.optim.grad_sync, policy,
-                                                                    device_memory_bytes(info.device))[0])
+    run = train.Trainer(cfg=cfg, dist=info, policy=policy, pad_token_id=0, ref_policy=ref, optimizer=optimizer,
+                        scheduler=build_scheduler(optimizer, 10, cfg.optim))
     vocab = policy.lm.config.vocab_size
     if os.environ.get("GRPO_NO_SKIP") == "1":  # the reference: every sequence runs forward and backward
         train.contributing = lambda completion_mask, *a, **k: torch.ones(completion_mask.shape[0], dtype=torch.bool)
@@ -77,9 +72,10 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
                         masked=batch_kind.removeprefix("grouped-") if "masked" in batch_kind else "", objective=cfg.objective,
                         grouped=batch_kind.startswith("grouped"))
     mbs, denominators, _ = train.plan_batch(run, Rollout(batch, {}, []))
-    cache, losses, norms, entropies, kls = train.BatchCache(), [], [], [], []
+    cache, losses, norms, entropies, kls, instruments = train.BatchCache(), [], [], [], [], []
     for it in range(cfg.grpo.i):
         stats, entropy_sum = train.sgd_iteration(run, mbs, cache, denominators)
+        instruments.append(run.instruments.row(it))  # the registered instruments of the step, all ranks reduced
         grad_norm, finite = train.optimizer_step(run)
         losses.append(float(stats["loss"]))
         kls.append(O.finalize_stats(stats)["kl_mean"])
@@ -95,7 +91,8 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     checksum = float(sum(t.double().abs().sum() for t in full.values()))
     return {"losses": losses, "grad_norms": norms, "param_abs_sum": checksum, "entropies": entropies, "kls": kls,
             "micro_batches": len(mbs), "world_size": info.world_size, "shapes": all_shapes, "ref_resharded": ref_resharded,
-            "rows": sum(int(mb.input_ids.shape[0]) for mb in mbs)}  # this rank's (shared-prompt: group rows)
+            "rows": sum(int(mb.input_ids.shape[0]) for mb in mbs),  # this rank's (shared-prompt: group rows)
+            "instruments": instruments}
 
 
 def main():

@@ -47,6 +47,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "nan beta": (["objective.beta=nan"], ["objective.beta"]),
         "context shorter than prompt + completion": (["server.max_model_len=40"],
                                                      ["server.max_model_len", "grpo.max_new_tokens"]),
+        "a knob whose loss is not selected": (["objective.eps_low_is=0.5"],
+                                              ["objective.eps_low_is", "loss cispo", "drop the key"]),
     }
 
 

@@ -297,12 +297,19 @@ def _row_to_problem(row, where: str, source: Rows) -> Problem:
         raise DataError(f"expected a JSON object, got {type(row).__name__}")
     # unnamed sources: DeepScaleR, MATH, AIME write "problem"; GSM8K and AMC "question"
     question_key = source.question_key or ("problem" if "problem" in row else "question")
+    fields = {}
     for key in (question_key, source.answer_key):
-        if key not in row or row[key] is None:
+        # a dotted name (answer.final) reaches into nested objects, whatever the source: JSON objects,
+        # Parquet structs and Hub features are dicts here; a field of that very name comes first
+        value = row.get(key) if key in row else row
+        for part in [] if key in row else key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
             raise DataError(f"missing field {key!r} (fields present: {', '.join(sorted(row))})")
-    question = row[question_key]
+        fields[key] = value
+    question = fields[question_key]
     if not isinstance(question, str) or not question.strip():
         raise DataError(f"field {question_key!r} must be non-empty text")
     row_id = row.get("id", where.rsplit(":", 1)[-1].replace(" row ", "").strip())
     return Problem(id=f"{source.name}/{row_id}", prompt=question.strip(),
-                   answer=gold_answer(row[source.answer_key], source.answer_format), source=source.name)
+                   answer=gold_answer(fields[source.answer_key], source.answer_format), source=source.name)
