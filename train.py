@@ -57,6 +57,7 @@ from grpo.progress import Progress
 from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
+from grpo.serving.client import AttachError
 from grpo.serving.fleet import ServerFleet
 from grpo.serving.inference import check_context_fits, serving_dtype
 from grpo.shared_prompt import use_shared_prompt_attention
@@ -180,9 +181,10 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     preflight.check_batch_split(cfg.grpo.batch_prompts, info.world_size)
     torch.manual_seed(cfg.seed + info.rank)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    sampler = eval_problems = None
+    sampler = eval_problems = attached = None
     recorded = made_with = None
-    if info.is_main:  # bad data is refused before anything slow starts
+    run_dir = Path(cfg.log.out_dir) / cfg.log.run_name
+    if info.is_main:  # bad data, and a server that does not answer or refuses the token, before anything slow starts
         if cfg.replay or cfg.log.save_rollouts:
             made_with = model_and_tokenizer(cfg.model.path, tokenizer)
         if cfg.replay:
@@ -192,7 +194,8 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         if cfg.eval_data is not None:
             eval_problems = named_input("eval_data", lambda: load_problems(cfg.eval_data))
         check_prompts_fit(cfg, tokenizer, sampler, eval_problems)
-    run_dir = Path(cfg.log.out_dir) / cfg.log.run_name
+        if cfg.server.attached and not cfg.replay:
+            attached = ServerFleet.attach(cfg.model.path, cfg.server, run_dir)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -249,7 +252,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         run.logger.truncate_after(progress.step)
     if info.is_main and not cfg.replay:
         run.scorer = RewardScorer(cfg.reward)
-        run.server = run.instruments.server = ServerFleet.launch(
+        run.server = run.instruments.server = attached or ServerFleet.launch(
             cfg.model.path, cfg.server, run_dir, gpus=layout.replica_gpus or (layout.server_gpu,),
             gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
         on_lost_rank(run.server.stop)  # a rank ending for a lost peer leaves no server behind
@@ -625,7 +628,7 @@ def main(argv=None) -> int:
     try:
         cfg, resume = parse_args(argv)
         run, progress = setup(cfg, resume)
-    except (ConfigError, DataError, ModelPathError, LayoutError, ReplayError) as e:  # bad input: one line, exit 2
+    except (ConfigError, DataError, ModelPathError, LayoutError, ReplayError, AttachError) as e:  # bad input: one line, exit 2
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
