@@ -54,7 +54,7 @@ from grpo.parallel import (EXIT_LOST_RANK, DistInfo, all_reduce_max, all_reduce_
                            stop_watchdog)
 from grpo.policy import ObjectiveInputs, Policy, copy_policy
 from grpo.progress import Progress
-from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
+from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer, weights_fingerprint
 from grpo.rewards import RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
 from grpo.serving.client import AttachError
@@ -187,9 +187,10 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     if info.is_main:  # bad data, and a server that does not answer or refuses the token, before anything slow starts
         if cfg.replay or cfg.log.save_rollouts:
             made_with = model_and_tokenizer(cfg.model.path, tokenizer)
-        if cfg.replay:
+        if cfg.replay:  # every batch checked; those sampled by version 0 were sampled by model.path's weights
             recorded = RecordedStream(cfg.replay)
-            recorded.check(cfg, made_with)
+            recorded.check(cfg, made_with, None if cfg.replay_other_weights else
+                           weights_fingerprint(cfg.model.path))
         sampler = named_input("data", lambda: make_sampler(cfg.data, cfg.grpo.batch_prompts, seed=cfg.seed))
         if cfg.eval_data is not None:
             eval_problems = named_input("eval_data", lambda: load_problems(cfg.eval_data))

@@ -3,7 +3,8 @@ checkpointer (docs/offpolicy.md):
 
     instruments.after_push()                      pi_push <- pi_theta: the staleness split's reference
     instruments.after_sampling(progress, stage, k, seed, rollout)
-                                                  the batch recorded (log.save_rollouts); right after a push,
+                                                  the batch recorded (log.save_rollouts) with the fingerprint of
+                                                  the weights that sampled it; right after a push,
                                                   the parity probe; which weights score the batch's split
     split = instruments.split                     on the first SGD pass: split.before(mb), split.after(mb, ...),
                                                   split.finish() (grpo/staleness.py's sums, all-reduced)
@@ -27,7 +28,7 @@ from grpo.parallel import all_reduce_sum, broadcast_json, on_main_rank
 from grpo.parity import ParityProbe, ParityVersionError, engine_parity, trainer_logprobs
 from grpo.policy import Policy, copy_policy
 from grpo.progress import Progress, alpha_lag
-from grpo.recording import record_batch
+from grpo.recording import batch_path, record_batch, recorded_weights, sampled_by, weights_fingerprint
 from grpo.serving.client import InferenceServerError
 
 
@@ -82,6 +83,7 @@ class OffPolicyInstruments:
         self.probe: Optional[ParityProbe] = None  # the parity probe's sequences, every rank
         self.split = StalenessSplit(None, None)  # the current batch's
         self.parity: dict = {}  # the current batch's probe (after a push), for its first row
+        self._sampled_by: Optional[tuple[int, dict]] = None  # (version, its fingerprint) for the recording (rank 0)
 
     @staticmethod
     def keeps_push(cfg) -> bool:
@@ -105,8 +107,8 @@ class OffPolicyInstruments:
         """The batch as trained on to <run>/rollouts/; the parity probe right after a push (collective);
         the weights that score the batch's staleness split."""
         if self.cfg.log.save_rollouts:  # a full disk on rank 0 stops every rank (collective)
-            on_main_rank(self.dist.is_main,
-                         lambda: str(record_batch(self.run_dir, stage, k, seed, rollout, self.made_with)))
+            on_main_rank(self.dist.is_main, lambda: str(record_batch(
+                self.run_dir, stage, k, seed, rollout, {**self.made_with, **self.weights_of_batch(progress, stage, k)})))
         self.parity = self.probe_parity(progress, rollout, stage, k) if k % self.cfg.grpo.v == 0 else {}
         self.split = StalenessSplit(self.pushed_policy, self.split_source(progress, rollout))
 
@@ -139,6 +141,18 @@ class OffPolicyInstruments:
         self.policy = self.pushed_policy = None
 
     # -- inside ----------------------------------------------------------------------------------
+
+    def weights_of_batch(self, progress: Progress, stage: int, k: int) -> dict[str, str]:
+        """The fingerprint of the weights that sampled batch (stage, k), for its recording (rank 0):
+        alpha's weights directory (the model directory at version 0), read once per version; a
+        replay's, the recording's own."""
+        if self.cfg.replay:
+            return recorded_weights(batch_path(self.cfg.replay, stage, k))
+        version = progress.weights_version
+        if self._sampled_by is None or self._sampled_by[0] != version:
+            weights_dir = progress.weights_dir or self.cfg.model.path
+            self._sampled_by = version, sampled_by(version, weights_fingerprint(weights_dir))
+        return self._sampled_by[1]
 
     def split_source(self, progress: Progress, rollout) -> Optional[bool]:
         """Where pi_push's log-probs come from for this batch's staleness split (grpo/staleness.py):
