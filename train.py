@@ -57,9 +57,10 @@ from grpo.parallel import (EXIT_LOST_RANK, DistInfo, HostStaging, all_reduce_max
                            stop_watchdog)
 from grpo.policy import ObjectiveInputs, Policy, copy_policy
 from grpo.progress import Progress
-from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
+from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer, weights_fingerprint
 from grpo.rewards import RewardError, RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
+from grpo.serving.client import AttachError
 from grpo.serving.fleet import ServerFleet
 from grpo.serving.inference import check_context_fits, serving_dtype
 from grpo.shared_prompt import use_shared_prompt_attention
@@ -204,21 +205,24 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     preflight.check_batch_split(cfg.grpo.batch_prompts, info.world_size)
     torch.manual_seed(cfg.seed + info.rank)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    sampler = eval_problems = None
+    sampler = eval_problems = attached = None
     recorded = made_with = None
-    if info.is_main:  # bad data is refused before anything slow starts
+    run_dir = Path(cfg.log.out_dir) / cfg.log.run_name
+    if info.is_main:  # bad data, and a server that does not answer or refuses the token, before anything slow starts
         if cfg.replay or cfg.log.save_rollouts:
             made_with = model_and_tokenizer(cfg.model.path, tokenizer)
-        if cfg.replay:
+        if cfg.replay:  # every batch checked; those sampled by version 0 were sampled by model.path's weights
             recorded = RecordedStream(cfg.replay)
-            recorded.check(cfg, made_with)
+            recorded.check(cfg, made_with, None if cfg.replay_other_weights else
+                           weights_fingerprint(cfg.model.path))
         sampler = named_input("data", lambda: make_sampler(cfg.data, cfg.grpo.batch_prompts, seed=cfg.seed))
         if cfg.eval_data is not None:
             eval_problems = named_input("eval_data", lambda: load_problems(cfg.eval_data))
         if eval_reads_training_data(cfg):
             print(f"[train] {eval_reads_training_data(cfg)}", file=sys.stderr)
         check_prompts_fit(cfg, tokenizer, sampler, eval_problems)
-    run_dir = Path(cfg.log.out_dir) / cfg.log.run_name
+        if cfg.server.attached and not cfg.replay:
+            attached = ServerFleet.attach(cfg.model.path, cfg.server, run_dir)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -276,7 +280,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         run.logger.truncate_after(progress.step)
     if info.is_main and not cfg.replay:
         run.scorer = RewardScorer(cfg.reward)
-        run.server = run.instruments.server = ServerFleet.launch(
+        run.server = run.instruments.server = attached or ServerFleet.launch(
             cfg.model.path, cfg.server, run_dir, gpus=layout.replica_gpus or (layout.server_gpu,),
             gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
         on_lost_rank(run.server.stop)  # a rank ending for a lost peer leaves no server behind
@@ -674,7 +678,7 @@ def main(argv=None) -> int:
     try:
         cfg, resume = parse_args(argv)
         run, progress = setup(cfg, resume)
-    except (ConfigError, DataError, ModelPathError, LayoutError, ReplayError) as e:  # bad input: one line, exit 2
+    except (ConfigError, DataError, ModelPathError, LayoutError, ReplayError, AttachError) as e:  # bad input: one line, exit 2
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except Exception as e:

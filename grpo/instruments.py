@@ -33,8 +33,9 @@ batches (log.save_rollouts). The loop calls it as it calls the checkpointer:
 
     instruments.after_push()                      pi_push <- pi_theta: the staleness split's reference
     instruments.after_sampling(progress, stage, k, seed, rollout)
-                                                  the batch recorded; right after a push, the parity probe;
-                                                  which weights give the batch's pi_push
+                                                  the batch recorded (log.save_rollouts) with the fingerprint of
+                                                  the weights that sampled it; right after a push, the parity
+                                                  probe; which weights give the batch's pi_push
     measured = instruments.sgd_pass(first)        an SGD pass: measured.before(mb), measured.after(mb, ...)
                                                   per micro-batch, measured.finish() (collective)
     instruments.row(sgd_iteration)                what the step's row gets: pass, batch, probe (first step)
@@ -58,7 +59,7 @@ from grpo.parallel import all_reduce_max, all_reduce_sum, broadcast_json, on_mai
 from grpo.parity import ParityProbe, ParityVersionError, engine_parity, trainer_logprobs
 from grpo.policy import Policy, copy_policy
 from grpo.progress import Progress, alpha_lag
-from grpo.recording import record_batch
+from grpo.recording import batch_path, record_batch, recorded_weights, sampled_by, weights_fingerprint
 from grpo.serving.client import InferenceServerError
 
 # ----------------------------------------------------------------------------------------------
@@ -286,6 +287,7 @@ class Instruments:
         self.batch: dict = {}  # the current batch's per-batch values (its first pass)
         self.passes: dict = {}  # the last pass's per-pass values
         self.parity: dict = {}  # the current batch's probe (after a push), for its first row
+        self._sampled_by: Optional[tuple[int, dict]] = None  # (version, its fingerprint) for the recording (rank 0)
 
     @staticmethod
     def keeps_push(cfg) -> bool:
@@ -310,8 +312,8 @@ class Instruments:
         """The batch as trained on to <run>/rollouts/; the parity probe right after a push (collective);
         the weights that give the batch's pi_push."""
         if self.cfg.log.save_rollouts:  # a full disk on rank 0 stops every rank (collective)
-            on_main_rank(self.dist.is_main,
-                         lambda: str(record_batch(self.run_dir, stage, k, seed, rollout, self.made_with)))
+            on_main_rank(self.dist.is_main, lambda: str(record_batch(
+                self.run_dir, stage, k, seed, rollout, {**self.made_with, **self.weights_of_batch(progress, stage, k)})))
         self.parity = self.probe_parity(progress, rollout, stage, k) if k % self.cfg.grpo.v == 0 else {}
         self.push_source = self.split_source(progress, rollout)
         self.batch = {}
@@ -354,6 +356,18 @@ class Instruments:
         self.policy = self.pushed_policy = None
 
     # -- inside ----------------------------------------------------------------------------------
+
+    def weights_of_batch(self, progress: Progress, stage: int, k: int) -> dict[str, str]:
+        """The fingerprint of the weights that sampled batch (stage, k), for its recording (rank 0):
+        alpha's weights directory (the model directory at version 0), read once per version; a
+        replay's, the recording's own."""
+        if self.cfg.replay:
+            return recorded_weights(batch_path(self.cfg.replay, stage, k))
+        version = progress.weights_version
+        if self._sampled_by is None or self._sampled_by[0] != version:
+            weights_dir = progress.weights_dir or self.cfg.model.path
+            self._sampled_by = version, sampled_by(version, weights_fingerprint(weights_dir))
+        return self._sampled_by[1]
 
     def split_source(self, progress: Progress, rollout) -> Optional[bool]:
         """Where pi_push's log-probs come from for this batch (grpo/staleness.py): False: no optimizer

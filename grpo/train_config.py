@@ -114,6 +114,9 @@ class TrainConfig:
     eval_every: int = 0  # evaluate on the held-out set every N iterations (0: only before and after)
     eval_data: Optional[DataConfig] = None  # held-out problems for periodic eval (None: no periodic eval)
     replay: Optional[str] = None  # a run recorded with log.save_rollouts: train on its batches, no server (--replay)
+    # replay a recording sampled by other weights than model.path's (a deliberate cross-model experiment:
+    # alpha is then another model), or one too old to record them (docs/offpolicy.md)
+    replay_other_weights: bool = False
 
     def __post_init__(self):
         if self.eval_every < 0 or (self.eval_every and self.eval_every % self.grpo.v):

@@ -130,7 +130,8 @@ def compare(run_dir: Path, base: TrainConfig, objectives: list[tuple[str, TrainC
     along that run's updates (Follower) and each row holds the batch's alpha_lag_steps."""
     stream = RecordedStream(run_dir)
     tokenizer = load_tokenizer(model_path)
-    stream.check_batches(sorted(stream.files), base, model_and_tokenizer(model_path, tokenizer))
+    # at the parameters it is given (--model may be other weights on purpose): the weights are not checked
+    stream.check_batches(sorted(stream.files), base, model_and_tokenizer(model_path, tokenizer), None)
     policy = trainer_policy(follow or base, model_path, trainable=True)
     follower = Follower(policy, follow, model_path, tokenizer.pad_token_id) if follow is not None else None
     rows = []

@@ -104,16 +104,23 @@ def test_a_users_instrument_is_logged_every_sgd_pass(two_rank_run):
     assert any(t > 0 for t in tails[1::2]), "no pass moved a token's ratio past 1.2: the instrument proved nothing"
 
 
-def test_each_batch_is_recorded_with_the_weights_that_sampled_it_and_its_lag(two_rank_run):
+def test_each_batch_is_recorded_with_the_weights_that_sampled_it_and_its_lag(two_rank_run, model_dir):
     """log.save_rollouts: one Parquet file per batch, in order, each sequence carrying the weights
-    version the real server reported for it; the rows log alpha's lag in optimizer steps: 0 right
-    after a push, (k mod v) * i inside the v-window (v = 2, i = 2)."""
-    from grpo.recording import read_rollouts
+    version the real server reported for it, each file the fingerprint of that version's weights (the
+    model directory's at version 0, the push's at 1); the rows log alpha's lag in optimizer steps: 0
+    right after a push, (k mod v) * i inside the v-window (v = 2, i = 2)."""
+    from grpo.recording import read_rollouts, weights_differ, weights_fingerprint
 
     batches = read_rollouts(two_rank_run)
     assert [(b.column("stage")[0].as_py(), b.column("iteration")[0].as_py()) for b in batches] == [
         (0, 0), (0, 1), (1, 0), (1, 1)]
     assert [set(b.column("weights_version").to_pylist()) for b in batches] == [{0}, {0}, {1}, {1}]
+    weights = [json.loads(b.schema.metadata[b"weights"]) for b in batches]
+    assert [w["version"] for w in weights] == [0, 0, 1, 1]
+    assert weights[0] == weights[1] and weights[2] == weights[3]
+    assert weights_differ(weights[0]["moments"], weights_fingerprint(model_dir)) == []
+    assert set(weights[2]["moments"]) == set(weights[0]["moments"])  # the same tensors, trained values
+    assert weights_differ(weights[2]["moments"], weights[0]["moments"], limit=100) != []
     assert all(b.num_rows == 2 * 8 for b in batches)  # batch_prompts x G
     rows = [r for r in read_rows(two_rank_run) if "loss" in r]
     assert [r["alpha_lag_steps"] for r in rows] == [0, 0, 2, 2, 0, 0, 2, 2]
