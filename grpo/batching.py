@@ -73,6 +73,8 @@ class MicroBatch:
     seq_weight: torch.Tensor  # [B]
     truncated: torch.Tensor  # [B] bool
     seq_of_token: torch.Tensor  # [N] sequence of each flat token
+    token_version: torch.Tensor  # [N] the weights version that sampled each token (grpo.rollout.Sample.token_versions)
+    versions: tuple[int, ...]  # the distinct versions among them, oldest first (plain ints: no device sync to read)
     # the shared-prompt layout (collate_groups; grpo.shared_prompt), None in the plain one:
     position_ids: Optional[torch.Tensor] = None  # [R, L] positions restart at P in every slot
     # (P, W, n) of each group row as plain ints: no tensor for FSDP2 to move to the GPU with the
@@ -85,18 +87,19 @@ def _sequence_fields(samples: list[Sample], device: torch.device) -> dict[str, t
     completion tokens in sample order, flat."""
     longest_c = max([len(s.completion_ids) for s in samples] + [1])
     mask = torch.zeros(len(samples), longest_c, dtype=torch.float32)
-    tokens, logp_alpha, rows = [], [], []
+    tokens, logp_alpha, rows, versions = [], [], [], []
     for b, s in enumerate(samples):
         mask[b, :len(s.completion_ids)] = 1.0
         tokens.extend(s.completion_ids)
         logp_alpha.extend(s.logp_alpha)
         rows.extend([b] * len(s.completion_ids))
+        versions.extend(s.token_versions())
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     as_float = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
     return dict(completion_tokens=as_long(tokens), completion_mask=mask.to(device), logp_alpha=as_float(logp_alpha),
                 adv=as_float([s.adv for s in samples]), seq_weight=as_float([s.seq_weight for s in samples]),
                 truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool, device=device),
-                seq_of_token=as_long(rows))
+                seq_of_token=as_long(rows), token_version=as_long(versions), versions=tuple(sorted(set(versions))))
 
 
 def collate(samples: list[Sample], pad_id: int, device: torch.device) -> MicroBatch:

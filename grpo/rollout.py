@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Optional
 
 from grpo import metrics
@@ -33,10 +33,25 @@ class Sample:
     correct: float = 0.0  # the correctness part of the reward (pass_rate counts these)
     adv: float = 0.0  # eq. 2 advantage (after RED)
     seq_weight: float = 1.0  # eq. 8 mask / RED weights
-    weights_version: int = 0  # the version of alpha that sampled it (the server's, per batch)
+    weights_version: int = 0  # the version of alpha that sampled it (its first token, where several did)
+    # [[version, start, end], ...] over its completion tokens where a push swapped the weights while it
+    # was being sampled (in-flight updates: grpo.batch_source); None: weights_version sampled every token
+    version_spans: Optional[list[list[int]]] = None
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if out["version_spans"] is None:  # recordings and broadcasts carry it only where it says something
+            del out["version_spans"]
+        return out
+
+    def token_versions(self) -> list[int]:
+        """The version that sampled each completion token."""
+        if self.version_spans is None:
+            return [self.weights_version] * len(self.completion_ids)
+        out = [self.weights_version] * len(self.completion_ids)
+        for version, start, end in self.version_spans:
+            out[start:end] = [version] * (end - start)
+        return out
 
 
 @dataclass
@@ -53,23 +68,38 @@ class Rollout:
         return cls([Sample(**s) for s in obj["samples"]], obj["stats"], obj["table"])
 
     @property
+    def versions(self) -> list[int]:
+        """Every weights version that sampled a token of the batch, oldest first (one in Algorithm
+        1's windows and with grpo.lag; several from the asynchronous sampler)."""
+        return sorted({v for s in self.samples for v in (s.token_versions() if s.version_spans else
+                                                          [s.weights_version])})
+
+    @property
     def weights_version(self) -> int:
-        """The version of alpha that sampled the batch (one server call: one version for all)."""
-        versions = {s.weights_version for s in self.samples}
-        if len(versions) != 1:
-            raise ValueError(f"a batch sampled by several weights versions: {sorted(versions)}")
-        return versions.pop()
+        """The oldest version of alpha that sampled the batch (its only one, but asynchronously)."""
+        return self.versions[0]
 
 
-def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected_version: int,
-                   engine_threads: Optional[int] = None) -> Rollout:
-    """G completions per prompt from the server's policy alpha (with alpha's log-probs), rewards,
-    advantages (eq. 2) and weights (eq. 8 mask, RED). cfg is the TrainConfig (grpo, data,
-    objective sections); server is a grpo.serving.inference.InferenceServer that must be serving weights
-    version `expected_version` (alpha): samples from any other policy would make every logged
-    off-policy quantity wrong, so a mismatch stops the run. engine_threads: a CPU engine's thread
-    count for this batch (None: all its cores; grpo/cpu/cores.py), part of what the samples are a
-    function of. stats["engine"] holds what the engine reports of the batch (nothing on a GPU)."""
+@dataclass
+class SampledGroups:
+    """Groups sampled and scored, before a batch's advantages: rank 0's unit of sampling (one server
+    call), which a batch is assembled from. samples' adv and seq_weight are not set yet."""
+
+    samples: list[Sample]  # G per group, a group's samples adjacent, `group` counting from 0 in this call
+    problems: list  # the prompts' Problems, one per group
+    texts: list[str]  # each completion's text (the sample table)
+    stats: dict[str, float]  # reward terms' means and failures, timeouts, times
+    engine: dict[str, float]  # what the engine reports of the call
+    sampler_state: Optional[dict] = None  # the prompt sampler's cursor before these prompts were drawn
+
+
+def sample_groups(server, problems, tokenizer, cfg, scorer, seed: Optional[int], expected_version: Optional[int],
+                  engine_threads: Optional[int] = None) -> SampledGroups:
+    """G completions per prompt from the server's policy alpha (with alpha's log-probs) and their
+    rewards. expected_version: the weights version the server must be serving (alpha): samples
+    from any other policy would make every logged off-policy quantity wrong, so a mismatch stops the
+    run; None: whatever it serves, stamped on each sample (the asynchronous sampler). seed: the
+    engine's sampling seed (None: unseeded)."""
     G = cfg.grpo.G
     prompt_ids = [encode_prompt(tokenizer, build_prompt(tokenizer, p, cfg.data)) for p in problems]
     t0 = time.time()
@@ -77,7 +107,7 @@ def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected
                              temperature=cfg.grpo.temperature, top_p=cfg.grpo.top_p, seed=seed,
                              engine_threads=engine_threads)
     t_generate = time.time() - t0
-    if result.weights_version != expected_version:
+    if expected_version is not None and result.weights_version != expected_version:
         raise RuntimeError(f"the server sampled with weights version {result.weights_version}, the trainer "
                            f"pushed version {expected_version} as alpha")
     completions = [c for per_prompt in result.completions for c in per_prompt]
@@ -87,21 +117,69 @@ def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected
     t0 = time.time()
     rewards, reward_info = scorer.score(scored)
     t_reward = time.time() - t0
+    samples = []
+    for j, (c, s) in enumerate(zip(completions, scored)):
+        spans = getattr(c, "version_spans", None)
+        first = spans[0][0] if spans else result.weights_version
+        samples.append(Sample(group=j // G, prompt_ids=prompt_ids[j // G], completion_ids=list(c.token_ids),
+                              logp_alpha=[float(x) for x in c.logprobs], truncated=s.truncated,
+                              reward=float(rewards[j]), correct=float(reward_info["correct"][j]),
+                              weights_version=first, version_spans=spans if spans and len(spans) > 1 else None))
+    stats = {**reward_info["term_means"], **reward_info["failed"], "reward_timeouts": float(reward_info["timeouts"]),
+             "time_generate": t_generate, "time_reward": t_reward}
+    return SampledGroups(samples, list(problems), [c.text for c in completions], stats,
+                         {key: float(value) for key, value in result.engine.items()})
+
+
+def assemble_rollout(parts: list[SampledGroups], cfg, seed: int) -> Rollout:
+    """A batch from sampled groups (one server call, or the groups the asynchronous sampler queued):
+    groups renumbered in order, advantages (eq. 2) and weights (eq. 8 mask, RED) over the whole
+    batch (`seed`: RED-Drop's choices), its statistics. Reward terms' means and times are
+    weighted by each part's completions (a part's sum where a count or a time)."""
+    G = cfg.grpo.G
+    samples, problems, texts = [], [], []
+    for part in parts:
+        offset = len(problems)
+        samples += [replace(s, group=s.group + offset) for s in part.samples]
+        problems += part.problems
+        texts += part.texts
+    rewards = [s.reward for s in samples]
     adv, seq_weight, adv_stats = batch_advantages(rewards, cfg, seed)
-    samples = [
-        Sample(group=j // G, prompt_ids=prompt_ids[j // G], completion_ids=list(c.token_ids),
-               logp_alpha=[float(x) for x in c.logprobs], truncated=s.truncated, reward=float(rewards[j]),
-               correct=float(reward_info["correct"][j]), adv=adv[j], seq_weight=seq_weight[j],
-               weights_version=result.weights_version)
-        for j, (c, s) in enumerate(zip(completions, scored))
-    ]
-    stats = {**adv_stats, **batch_stats(samples), **reward_info["term_means"], **reward_info["failed"],
-             "reward_timeouts": float(reward_info["timeouts"]), "time_generate": t_generate, "time_reward": t_reward,
-             "engine": {key: float(value) for key, value in result.engine.items()}}
-    table = [{"prompt": problems[s.group].prompt, "completion": c.text, "reward": s.reward,
+    samples = [replace(s, adv=a, seq_weight=w) for s, a, w in zip(samples, adv, seq_weight)]
+    stats = {**adv_stats, **batch_stats(samples), **_merged_stats(parts),
+             "engine": _merged_stats(parts, field="engine")}
+    table = [{"prompt": problems[s.group].prompt, "completion": text, "reward": s.reward,
               "gold": problems[s.group].answer}
-             for s, c in list(zip(samples, completions))[::G][:8]]
+             for s, text in list(zip(samples, texts))[::G][:8]]
     return Rollout(samples, stats, table)
+
+
+SUMMED = ("reward_timeouts", "time_generate", "time_reward")  # counts and times add up over a batch's calls
+
+
+def _merged_stats(parts: list[SampledGroups], field: str = "stats") -> dict[str, float]:
+    if len(parts) == 1:
+        return dict(getattr(parts[0], field))
+    total = sum(len(p.samples) for p in parts)
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, value in getattr(part, field).items():
+            summed = field == "stats" and (key in SUMMED or key.startswith("reward_failed_"))
+            share = value if summed else value * len(part.samples) / total
+            out[key] = out.get(key, 0.0) + share
+    return out
+
+
+def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected_version: int,
+                   engine_threads: Optional[int] = None) -> Rollout:
+    """A batch in one server call: G completions per prompt from alpha (`sample_groups`), then
+    advantages (eq. 2) and weights (eq. 8 mask, RED) (`assemble_rollout`). cfg is the TrainConfig
+    (grpo, data, objective sections); server a grpo.serving.inference.InferenceServer serving weights
+    version `expected_version`. engine_threads: a CPU engine's thread count for this batch (None:
+    all its cores; grpo/cpu/cores.py), part of what the samples are a function of. stats["engine"]
+    holds what the engine reports of the batch (nothing on a GPU)."""
+    return assemble_rollout([sample_groups(server, problems, tokenizer, cfg, scorer, seed, expected_version,
+                                           engine_threads)], cfg, seed)
 
 
 SAMPLING = metrics.declare_many("rollout", {

@@ -63,6 +63,10 @@ class PromptSampler:
         """The next global batch (batch_size problems)."""
         return [self._next_problem() for _ in range(self.batch_size)]
 
+    def next_problem(self) -> Problem:
+        """The next problem of the stream (the asynchronous sampler draws one group at a time)."""
+        return self._next_problem()
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "n_problems": self.n_problems, "batch_size": self.batch_size}
