@@ -26,7 +26,6 @@ import signal
 import sys
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -34,6 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from grpo import metrics, preflight, provenance
+from grpo.batch_source import AsyncBatches, batch_index, make_batch_source
 from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_batches, group_row_length,
                            group_rows, plan_micro_batches)
 from grpo.checkpoint import CheckpointError, Checkpointer, check_shared_directory, export_hf
@@ -57,9 +57,10 @@ from grpo.parallel import (EXIT_LOST_RANK, DistInfo, HostStaging, all_reduce_max
                            stop_watchdog)
 from grpo.policy import ObjectiveInputs, Policy, copy_policy
 from grpo.progress import Progress
+from grpo.push_policy import PushSchedule
 from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer, weights_fingerprint
 from grpo.rewards import RewardError, RewardScorer
-from grpo.rollout import Rollout, sample_rollout, shard_samples
+from grpo.rollout import Rollout, shard_samples
 from grpo.serving.client import AttachError
 from grpo.serving.fleet import ServerFleet
 from grpo.serving.inference import check_context_fits, serving_dtype
@@ -174,7 +175,8 @@ class Run(Trainer):
     scorer: Optional[RewardScorer] = None
     sampler: Optional[PromptSampler] = None
     eval_problems: Optional[list] = None
-    sample_ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
+    batches: object = None  # where batches come from (grpo.batch_source: windows, a fixed lag, or asynchronous)
+    push_schedule: Optional[PushSchedule] = None  # when alpha <- pi_theta (grpo.push_policy)
     push_staging: HostStaging = field(default_factory=HostStaging)  # the push gather's reused host buffer (rank 0)
     recorded: Optional[RecordedStream] = None  # --replay: the batches a run recorded, in place of the server (rank 0)
 
@@ -182,7 +184,8 @@ class Run(Trainer):
         stop_watchdog()  # ranks that end with this one are not lost
         if self.server is not None:  # first: the launcher kills a rank that takes long to end (torchrun: 30 s)
             self.server.stop()
-        self.sample_ahead.close()  # a batch sampled ahead fails at once with the server stopped
+        if self.batches is not None:
+            self.batches.close()  # a batch sampled ahead fails at once with the server stopped
         self.logger.close()
         if self.scorer is not None:
             self.scorer.close()
@@ -245,16 +248,18 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               f"{objective_path} path", file=sys.stderr)
     ref_policy = build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
     # pi_push, frozen between pushes, for the staleness split of batches sampled before steps were taken
-    pushed_policy = build_policy(cfg, info.device, trainable=False) if Instruments.keeps_push(cfg) else None
+    # pi_push: frozen copies of the pushed weights a batch may still be sampled by (the staleness split)
+    frozen = tuple(build_policy(cfg, info.device, trainable=False) for _ in range(Instruments.push_copies(cfg)))
     optimizer = build_optimizer(policy, cfg.optim)
     run = Run(cfg=cfg, dist=info, run_dir=run_dir, tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id,
               policy=policy, ref_policy=ref_policy, optimizer=optimizer,
               scheduler=build_scheduler(optimizer, cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, cfg.optim),
               checkpointer=checkpointer, logger=MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               stop=StopFlag(), serve_dtype=serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu),
-              sampler=sampler, eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
+              sampler=sampler, eval_problems=eval_problems, batches=make_batch_source(cfg, sample_ahead(cfg, layout)),
+              push_schedule=PushSchedule(cfg.push, cfg.grpo.v),
               shares_gpu_with_server=layout.shares_gpu, recorded=recorded, sync_every_micro_batch=sync_every,
-              instruments=Instruments(cfg, info, policy, pushed_policy, run_dir, tokenizer, made_with))
+              instruments=Instruments(cfg, info, policy, frozen, run_dir, tokenizer, made_with))
     room = checkpointer.room_warning(checkpoint_size(run)) if info.is_main else None
     if room:  # a save writes the new checkpoint before it prunes the oldest
         print(f"[train] warning: {room}", file=sys.stderr)
@@ -265,18 +270,25 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
             print(f"[train] --resume: no complete checkpoint under {run.checkpointer.dir}; starting from step 0",
                   file=sys.stderr)
         run.logger.truncate_after(0)
+    pending = []  # batches a checkpoint had started (grpo.lag): sampled again on the same weights
     if latest is None:
         run.instruments.start()
     else:
-        saved = run.checkpointer.load(latest, policy, optimizer, ref_policy, push_model=pushed_policy)
-        # saved inside a v-window with its copy of the pushed weights (else the next push makes one); the run's probe
-        run.instruments.resumed(Checkpointer.holds_push_model(latest))
+        saved = run.checkpointer.load(latest, policy, optimizer, ref_policy, push_model=run.instruments.model_to_load())
         run.scheduler.load_state_dict(saved["scheduler"])
         progress = Progress.from_json(saved["progress"])
-        if (latest / ALPHA_DIR).is_dir():  # saved inside a v-window: alpha's weights travel with it
+        if (latest / ALPHA_DIR).is_dir():  # saved while alpha was not pi_theta: alpha's weights travel with it
             progress = replace(progress, weights_dir=str(latest / ALPHA_DIR))
+        # saved with its copy of the newest push's weights (else the next push makes one); the run's probe
+        run.instruments.resumed(Checkpointer.holds_push_model(latest), progress.weights_version)
+        run.push_schedule.load_state_dict(saved.get("push_schedule", {}))
         if info.is_main:
             run.sampler.load_state_dict(saved["sampler"])
+            pending = [{**item, "weights_dir": str(latest / alpha_name(item["version"]))
+                        if (latest / alpha_name(item["version"])).is_dir() else item["weights_dir"]}
+                       for item in saved.get("batches", {}).get("pending", [])]
+            if isinstance(run.batches, AsyncBatches):
+                run.batches.load_counts(saved.get("batches", {}))
         run.logger.truncate_after(progress.step)
     if info.is_main and not cfg.replay:
         run.scorer = RewardScorer(cfg.reward)
@@ -286,20 +298,74 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         on_lost_rank(run.server.stop)  # a rank ending for a lost peer leaves no server behind
         run.server.start_versions()  # an attached server may still serve another run's push, or a crashed attempt's
     # the CPU fence's one hook (nothing off CPU): malloc, the LM head's GEMMs, cores shared with the engine
-    tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy, pushed_policy], run.sample_ahead, run.server)
-    if progress.iteration % cfg.grpo.v != 0 and progress.weights_dir and not cfg.replay:
-        progress = reserve_alpha(run, progress)
+    tune_trainer(cfg.cpu, layout, info.world_size, [policy, ref_policy, *frozen], run.batches, run.server)
+    if not cfg.replay and latest is not None:
+        progress = resume_sampling(run, progress, pending)
+    if info.is_main and isinstance(run.batches, AsyncBatches):
+        run.batches.start(run, progress)
     return run, progress
+
+
+def sample_ahead(cfg: TrainConfig, layout) -> Callable[[int], bool]:
+    """Whether batch j (the loop's index) is sampled one batch early at lag 0: only where no push
+    comes before it (every v iterations: not the first of a window; drift-driven pushes could come
+    anywhere). grpo.sample_ahead null: on for v > 1 where sampling has its own hardware."""
+    on = cfg.grpo.sample_ahead if cfg.grpo.sample_ahead is not None else cfg.grpo.v > 1 and overlap_is_free(layout)
+    return lambda j: bool(on) and cfg.push.policy == "every_v" and (j % cfg.grpo.M) % cfg.grpo.v != 0
+
+
+def alpha_name(version: int) -> str:
+    """A checkpoint's copy of the weights of `version` (grpo.lag: a batch still to train was sampled by it)."""
+    return f"{ALPHA_DIR}-v{version}"
+
+
+def resume_sampling(run: Run, progress: Progress, pending: list[dict]) -> Progress:
+    """The server as the run had it at its checkpoint. With grpo.lag, the batches it had started
+    are sampled again, each from the weights it was sampled from, in order; then alpha is served
+    again where it is not pi_theta (steps were taken since its push). The asynchronous sampler
+    starts from a push of pi_theta: which weights sampled its queue was a matter of timing."""
+    if run.cfg.rollout.mode == "async":
+        return push_policy(run, progress, reason="resume")[0]
+    served = 0  # a launched (or reset attached) server starts at version 0
+
+    def serve(weights_dir: str, version: int) -> None:
+        run.server.serve(weights_dir, version)
+        run.instruments.served(version, weights_dir)
+
+    if run.dist.is_main and pending:
+        served = run.batches.resume(run, pending, served, serve)
+    served = broadcast_json(served)
+    if served != progress.weights_version and progress.weights_dir and alpha_needed(run.cfg, progress):
+        return reserve_alpha(run, progress)
+    return progress
+
+
+def alpha_needed(cfg: TrainConfig, progress: Progress) -> bool:
+    """Whether the weights the server serves may sample a batch after this point before any push:
+    inside a v-window (the next batch is not the first of one); with drift-driven pushes always (the
+    next push is not known). A checkpoint then keeps them, and a resume serves them again. The
+    asynchronous sampler resumes from a push of pi_theta."""
+    if cfg.rollout.mode == "async":
+        return False
+    if cfg.push.policy == "drift":
+        return progress.weights_version > 0
+    return progress.iteration % cfg.grpo.v != 0
 
 
 def checkpoint_size(run: Run) -> int:
     """The bytes of one checkpoint of this run: pi_theta and AdamW's two moments of each parameter,
-    pi_ref and pi_push where kept, and (v > 1, saved inside a window) alpha's weights as served."""
+    pi_ref and the newest push's copy where kept, and the served weights it may keep: alpha inside a
+    window (v > 1, drift-driven pushes), and with grpo.lag those of every batch still to train."""
+    cfg = run.cfg
     numel = sum(p.numel() for p in run.policy.parameters())  # a DTensor counts its global shape
     theta = sum(p.numel() * p.element_size() for p in run.policy.parameters())
-    frozen = [m for m in (run.ref_policy, run.instruments.pushed_policy) if m is not None]
-    alpha = numel * run.serve_dtype.itemsize if run.cfg.grpo.v > 1 and not run.cfg.replay else 0
-    return 3 * theta + sum(p.numel() * p.element_size() for m in frozen for p in m.parameters()) + alpha
+    kept_copy = (run.instruments.spare or list(run.instruments.copies.values()))[:1]
+    frozen = [m for m in (run.ref_policy, *kept_copy) if m is not None]
+    every = cfg.push.min_interval if cfg.push.policy == "drift" else cfg.grpo.v
+    alphas = 0 if cfg.replay or cfg.rollout.mode == "async" else \
+        int(cfg.grpo.v > 1 or cfg.push.policy == "drift") + (cfg.grpo.lag // every + 1 if cfg.grpo.lag else 0)
+    return 3 * theta + sum(p.numel() * p.element_size() for m in frozen for p in m.parameters()) + \
+        alphas * numel * run.serve_dtype.itemsize
 
 
 def shared_run_name(cfg: TrainConfig) -> str:
@@ -353,13 +419,16 @@ def reserve_alpha(run: Run, progress: Progress) -> Progress:
 # ------------------------------------------------------------------------------------------------
 
 
-def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
+def push_policy(run: Run, progress: Progress, reason: str = "every v", batch: Optional[int] = None
+                ) -> tuple[Progress, dict]:
     """alpha <- pi_theta: gather the full state dict on rank 0, which the server writes and loads.
     Collective (every rank gathers its shards). Returns the new progress and {bytes, seconds}.
+    reason: why (grpo.push_policy), logged; batch: the loop's batch index it comes before.
     Replaying a recorded run there is no server: the version is counted as a push would count it."""
     t0 = time.time()
     if run.cfg.replay:
-        return progress.after_push(progress.weights_version + 1, progress.weights_dir), {"bytes": 0.0, "seconds": 0.0}
+        return (progress.after_push(progress.weights_version + 1, progress.weights_dir, reason, batch),
+                {"bytes": 0.0, "seconds": 0.0})
     full_state = gather_full_state_dict(run.policy.lm, dtype=run.serve_dtype, staging=run.push_staging)  # {} on ranks > 0
     if run.shares_gpu_with_server:
         # vLLM's layer-wise reload allocates on the GPU this trainer shares: hand back cached blocks
@@ -371,9 +440,11 @@ def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
         return {"bytes": float(reply["bytes"]), "weights_dir": str(reply["weights_dir"])}
 
     pushed = on_main_rank(run.dist.is_main, push)
-    progress = progress.after_push(version, pushed["weights_dir"])
-    run.instruments.after_push()  # pi_push for the staleness split of the window's batches
-    return progress, {"bytes": pushed["bytes"], "seconds": time.time() - t0}
+    progress = progress.after_push(version, pushed["weights_dir"], reason, batch)
+    run.instruments.after_push(version, pushed["weights_dir"])  # pi_push for the staleness split of its batches
+    if run.dist.is_main and isinstance(run.batches, AsyncBatches):
+        run.batches.pushed(progress)
+    return progress, {"bytes": pushed["bytes"], "seconds": time.time() - t0, "reason": reason}
 
 
 def batch_seed(cfg: TrainConfig, stage: int, k: int) -> int:
@@ -381,23 +452,27 @@ def batch_seed(cfg: TrainConfig, stage: int, k: int) -> int:
     return (cfg.seed * 1_000_003 + stage * cfg.grpo.M + k) % 2**31
 
 
-def sample_batch(run: Run, progress: Progress, k: int, seed: int) -> Rollout:
-    """Rank 0 samples the next prompts, G completions each from alpha, scores them (or takes the
-    batch sampled ahead, waiting for it); every rank gets the rollout."""
+def sample_batch(run: Run, progress: Progress, stage: int, k: int, seed: int) -> Rollout:
+    """Rank 0 gets batch (stage, k) from the run's batch source (grpo.batch_source: it starts what
+    the weights now served sample, then waits for this batch) or, replaying, from the recording;
+    every rank gets the rollout."""
     def sample() -> dict:
         if run.recorded is not None:  # --replay: the batch as the recorded run trained on it
             rollout = run.recorded.rollout(progress.stage, k, run.cfg)
             rollout.stats["time_wait_generate"] = 0.0
             return rollout.to_json()
-        t0 = time.time()
-        pending = run.sample_ahead.take(seed)
-        rollout = pending.result() if pending else sample_rollout(
-            run.server, run.sampler.next_batch(), run.tokenizer, run.cfg, run.scorer, seed,
-            expected_version=progress.weights_version, engine_threads=run.sample_ahead.threads_for(run.cfg, k))
-        rollout.stats["time_wait_generate"] = time.time() - t0  # what the trainer waited for samples
-        return rollout.to_json()
+        return run.batches.take(run, progress, batch_index(run.cfg, stage, k), seed).to_json()
 
     return Rollout.from_json(on_main_rank_or_stop(run, sample))
+
+
+def sample_ahead_batches(run: Run, progress: Progress, stage: int, k: int) -> None:
+    """Rank 0 starts the batches the weights now served sample ahead of batch (stage, k): the next L
+    with grpo.lag, the next one with sample-ahead (grpo.batch_source); they generate while k trains."""
+    if run.dist.is_main and run.recorded is None:
+        last = batch_index(run.cfg, run.cfg.grpo.S - 1, run.cfg.grpo.M - 1)
+        run.batches.start_ahead(run, progress, batch_index(run.cfg, stage, k),
+                                lambda j: batch_seed(run.cfg, *divmod(j, run.cfg.grpo.M)), last)
 
 
 def on_main_rank_or_stop(run: Run, work):
@@ -414,55 +489,6 @@ def on_main_rank_or_stop(run: Run, work):
     if "stopped" in outcome:
         raise RunStopped(outcome["stopped"])
     return outcome["result"]
-
-
-class SampleAhead:
-    """Inside a v-window alpha stays fixed, so batch k+1 does not depend on the update on batch k:
-    rank 0 generates and scores it in a thread while every rank trains on batch k. Batches stay a
-    function of (weights version, prompts, seed), so the run is the same with it on or off. A
-    checkpoint stores the prompt cursor from before the early draw: the batch is sampled again
-    on resume, never saved."""
-
-    def __init__(self, overlap_free: bool = True):
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sample-ahead")
-        self.pending = None  # (seed, Future[Rollout], the prompt sampler's state before the draw)
-        self.overlap_free = overlap_free  # grpo.layout.overlap_is_free: the default when the config says null
-        # The engine's threads for a batch, given whether it is sampled ahead (None: the engine's own
-        # choice). Set by the CPU fence where the trainer and a CPU engine share cores.
-        self.engine_threads: Callable[[bool], Optional[int]] = lambda sampled_ahead: None
-
-    def wanted(self, cfg: TrainConfig, k_next: int) -> bool:
-        """Sample batch k_next early? Only when no push (k mod v == 0) separates it from now."""
-        on = cfg.grpo.sample_ahead if cfg.grpo.sample_ahead is not None else cfg.grpo.v > 1 and self.overlap_free
-        return on and k_next < cfg.grpo.M and k_next % cfg.grpo.v != 0
-
-    def busy(self) -> bool:
-        """A batch is being sampled ahead right now."""
-        return self.pending is not None and not self.pending[1].done()
-
-    def threads_for(self, cfg: TrainConfig, k: int) -> Optional[int]:
-        """The engine's threads for batch k: a function of k alone (whether k is one sampled ahead),
-        never of timing, so a resumed run samples batch k as the uninterrupted run did."""
-        return self.engine_threads(self.wanted(cfg, k))
-
-    def start(self, run: Run, progress: Progress, k_next: int, seed: int) -> None:
-        state_before = run.sampler.state_dict()
-        problems = run.sampler.next_batch()
-        future = self.pool.submit(sample_rollout, run.server, problems, run.tokenizer, run.cfg, run.scorer, seed,
-                                  expected_version=progress.weights_version,
-                                  engine_threads=self.threads_for(run.cfg, k_next))
-        self.pending = (seed, future, state_before)
-
-    def take(self, seed: int):
-        """The pending batch if it is the one with this seed (else None)."""
-        pending, self.pending = self.pending, None
-        return pending[1] if pending and pending[0] == seed else None
-
-    def sampler_state(self, sampler: PromptSampler) -> dict:
-        return self.pending[2] if self.pending else sampler.state_dict()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def plan_batch(run: Trainer, rollout: Rollout) -> tuple[list[MicroBatch], tuple[int, int], dict]:
@@ -599,11 +625,16 @@ def check_nan_streak(cfg: TrainConfig, progress: Progress) -> None:
                          f"; stopped (--resume continues from the last checkpoint)")
 
 
-def eval_due(cfg: TrainConfig, progress: Progress, stage: int, k: int) -> bool:
+def eval_due(cfg: TrainConfig, progress: Progress, g: int, pushed_after: Optional[int]) -> bool:
     """Held-out eval right after a push only (the server then holds pi_theta): before training,
-    then every eval_every iterations."""
-    return k % cfg.grpo.v == 0 and (progress.step == 0 or bool(
-        cfg.eval_every and (stage * cfg.grpo.M + k) % cfg.eval_every == 0))
+    then every eval_every iterations (a multiple of v). With drift-driven pushes, at the first push
+    at or after each multiple of eval_every. pushed_after: the batch index of the push before the
+    one just made (None: no push now)."""
+    if progress.step == 0:
+        return True
+    if pushed_after is None or not cfg.eval_every:
+        return False
+    return g // cfg.eval_every > pushed_after // cfg.eval_every or g % cfg.eval_every == 0
 
 
 def evaluate_policy(run: Run, progress: Progress) -> None:
@@ -618,15 +649,20 @@ def evaluate_policy(run: Run, progress: Progress) -> None:
 
 
 def save_checkpoint(run: Run, progress: Progress) -> None:
-    """Collective: model, optimizer, pi_ref, RNG, progress, the data cursor and the LR schedule."""
-    sampler_state = broadcast_json(run.sample_ahead.sampler_state(run.sampler) if run.dist.is_main else None)
-    state = {"progress": progress.to_json(), "sampler": sampler_state, "scheduler": run.scheduler.state_dict()}
-    # Inside a v-window the sampler alpha is not pi_theta: keep its exact weights with the
-    # checkpoint (the server's copy dies with the server) so a resume samples from alpha again.
-    inside_window = progress.iteration % run.cfg.grpo.v != 0
+    """Collective: model, optimizer, pi_ref, RNG, progress, the data cursor (from before the batches
+    sampled but not yet trained on, which a resume samples again: grpo.batch_source), the push
+    schedule and the LR schedule."""
+    sources = broadcast_json(run.batches.state_dict(run.sampler) if run.dist.is_main else None)
+    state = {"progress": progress.to_json(), "sampler": sources.pop("sampler"), "batches": sources,
+             "push_schedule": run.push_schedule.state_dict(), "scheduler": run.scheduler.state_dict()}
+    # Where alpha may sample again before a push, and for every batch still to train, keep the exact
+    # weights with the checkpoint (the server's copies die with it) so a resume samples from them again.
+    extra = {alpha_name(item["version"]): item["weights_dir"] for item in sources.get("pending", [])
+             if item["weights_dir"]}
+    if alpha_needed(run.cfg, progress) and progress.weights_dir:
+        extra[ALPHA_DIR] = progress.weights_dir
     run.checkpointer.save(progress.step, run.policy, run.optimizer, run.ref_policy, trainer_state=state,
-                          extra_dirs={ALPHA_DIR: progress.weights_dir} if inside_window and progress.weights_dir else None,
-                          push_model=run.instruments.push_model_to_save(inside_window))
+                          extra_dirs=extra or None, push_model=run.instruments.push_model_to_save(progress))
 
 
 def finish(run: Run, progress: Progress) -> None:
@@ -640,9 +676,9 @@ def finish(run: Run, progress: Progress) -> None:
 
 def log_step(run: Run, bar, *, progress: Progress, stage: int, iteration: int, sgd_iteration: int, rollout: Rollout,
              stats: dict, entropy_sum, grad_norm: float, started: float, iteration_started: float,
-             push: Optional[dict], shape: dict) -> None:
-    """The step's row (grpo/metrics.py) to metrics.jsonl, W&B and the progress bar. push: the push
-    before this iteration, on its first step (None after)."""
+             push: Optional[dict], shape: dict) -> dict:
+    """The step's row (grpo/metrics.py) to metrics.jsonl, W&B and the progress bar, returned. push:
+    the push before this iteration, on its first step (None after)."""
     train_stats = logged_stats(finalize_stats(stats))
     push = push or {"bytes": 0.0, "seconds": 0.0}
     row = metrics.train_row(
@@ -652,10 +688,13 @@ def log_step(run: Run, bar, *, progress: Progress, stage: int, iteration: int, s
         lr=run.scheduler.get_last_lr()[0], time_train=time.time() - started, shape=shape, time_sync=push["seconds"],
         sync_bytes=push["bytes"], iteration_seconds=time.time() - iteration_started,
         instruments=run.instruments.row(sgd_iteration))
+    if "reason" in push:  # why this iteration began with a push (grpo.push_policy)
+        row["push_reason"] = push["reason"]
     run.logger.log(row)
     bar.update(1)
     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row.get('kl', math.nan):.4f}",
                     clip=f"{row.get('clip_frac', math.nan):.3f}", ver=row["weights_version"])
+    return row
 
 
 def checkpoint_or_stop(run: Run, progress: Progress) -> bool:
@@ -688,19 +727,26 @@ def main(argv=None) -> int:
         for stage in range(progress.stage, cfg.grpo.S):
             for k in range(progress.iteration, cfg.grpo.M):
                 t_iter = time.time()
-                # alpha <- pi_theta every v iterations; at step 0 the server already holds pi_theta_0
+                g = batch_index(cfg, stage, k)
+                # alpha <- pi_theta every v iterations (or by the measured drift, push.policy); at step 0
+                # the server already holds pi_theta_0
                 push = {"bytes": 0.0, "seconds": 0.0}
-                if k % cfg.grpo.v == 0 and progress.step > 0:
-                    progress, push = push_policy(run, progress)
-                if eval_due(cfg, progress, stage, k):
+                decision = run.push_schedule.due(k, since=g - progress.pushed_at_batch)
+                pushed_after = None
+                if decision.push and progress.step > 0:
+                    if run.dist.is_main:
+                        run.batches.before_push()  # batches started on alpha finish on alpha
+                    pushed_after = progress.pushed_at_batch
+                    progress, push = push_policy(run, progress, decision.reason, batch=g)
+                if eval_due(cfg, progress, g, pushed_after):
                     evaluate_policy(run, progress)
 
                 # B prompts x G completions from alpha; rewards, advantages (eq. 2), mask (eq. 8)
                 seed = batch_seed(cfg, stage, k)
-                rollout = sample_batch(run, progress, k, seed)
-                run.instruments.after_sampling(progress, stage, k, seed, rollout)  # recorded; parity after a push
-                if run.dist.is_main and run.sample_ahead.wanted(cfg, k + 1):  # batch k+1 generates while k trains
-                    run.sample_ahead.start(run, progress, k + 1, batch_seed(cfg, stage, k + 1))
+                rollout = sample_batch(run, progress, stage, k, seed)
+                # recorded; the parity probe right after a push (or at the start)
+                run.instruments.after_sampling(progress, stage, k, seed, rollout, pushed=progress.pushed_at_batch == g)
+                sample_ahead_batches(run, progress, stage, k)  # the next batches generate while this one trains
                 micro_batches, denominators, shape = plan_batch(run, rollout)
 
                 # i SGD iterations on this batch (pi_k = the policy before the first of them)
@@ -710,9 +756,11 @@ def main(argv=None) -> int:
                     stats, entropy_sum = sgd_iteration(run, micro_batches, cache, denominators)
                     grad_norm, finite = optimizer_step(run)
                     progress = progress.after_step(finite)
-                    log_step(run, bar, progress=progress, stage=stage, iteration=k, sgd_iteration=it, rollout=rollout,
-                             stats=stats, entropy_sum=entropy_sum, grad_norm=grad_norm, started=t0,
-                             iteration_started=t_iter, push=push if it == 0 else None, shape=shape)
+                    row = log_step(run, bar, progress=progress, stage=stage, iteration=k, sgd_iteration=it,
+                                   rollout=rollout, stats=stats, entropy_sum=entropy_sum, grad_norm=grad_norm,
+                                   started=t0, iteration_started=t_iter, push=push if it == 0 else None, shape=shape)
+                    if it == 0:
+                        run.push_schedule.measured(row)  # the drift this batch shows: the next push decision
                     check_nan_streak(cfg, progress)
                 if cfg.log.sample_table_every and k % cfg.log.sample_table_every == 0:
                     run.logger.log_samples(progress.step, rollout.table)

@@ -163,6 +163,10 @@ def record_batch(run_dir: str | os.PathLike, stage: int, iteration: int, seed: i
     what an earlier attempt of the run recorded past it. `made_with`: the model and tokenizer it was
     made with (`model_and_tokenizer`) and the weights that sampled it (`sampled_by`). Returns the file. A full disk raises grpo.fsutil.NoSpaceError
     and leaves the directory as it was."""
+    if any(s.version_spans for s in rollout.samples):
+        # this format keeps one version per sequence: recording would lose which weights sampled a token
+        raise ValueError(f"batch ({stage}, {iteration}): a sequence sampled by several weights versions (in-flight "
+                         f"updates) cannot be recorded in {FORMAT}")
     path = batch_path(run_dir, stage, iteration)
     tmp = path.with_name(f".{path.name}.tmp")
     sink = pa.BufferOutputStream()  # in memory first: the write's size is known before it starts

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from grpo.batch_source import RolloutConfig
 from grpo.checkpoint import CheckpointConfig
 from grpo.cpu import CPUConfig
 from grpo.data import DataConfig
@@ -16,6 +17,7 @@ from grpo.metrics import LogConfig
 from grpo.objective import ObjectiveConfig
 from grpo.parallel import ParallelConfig
 from grpo.parity import ParityConfig
+from grpo.push_policy import PushConfig
 from grpo.rewards import RewardConfig, reward_range
 from grpo.serving.inference import ServerConfig
 from kernels import KernelConfig
@@ -43,6 +45,7 @@ class GRPOConfig:
     max_new_tokens: int = 128  # completion budget; longer ones are truncated
     temperature: float = 1.0  # sampling temperature; log-probs of pi, pi_k, pi_ref use the same T
     top_p: float = 1.0  # nucleus sampling (1.0 keeps alpha's log-probs exact)
+    lag: int = 0  # batch k is sampled from the policy served `lag` iterations earlier, so the next batches generate while k trains (0: Algorithm 1 as written; grpo/batch_source.py)
     sample_ahead: Optional[bool] = None  # generate batch k+1 while training on k when no push separates them;
     #                                      null: on for v > 1 where sampling has its own hardware (grpo.layout.overlap_is_free);
     #                                      batches are the same either way (on a CPU: see cpu.split_cores)
@@ -53,6 +56,8 @@ class GRPOConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.G < 2:
             raise ValueError(f"G: group size must be >= 2 (advantages need a group), got {self.G}")
+        if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0:
+            raise ValueError(f"lag: must be an integer >= 0, got {self.lag!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature: must be > 0 (the trainer divides logits by it), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -117,8 +122,11 @@ class TrainConfig:
     # replay a recording sampled by other weights than model.path's (a deliberate cross-model experiment:
     # alpha is then another model), or one too old to record them (docs/offpolicy.md)
     replay_other_weights: bool = False
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # how batches are sampled: windows and grpo.lag, or asynchronously (grpo/batch_source.py)
+    push: PushConfig = field(default_factory=PushConfig)  # when alpha <- pi_theta: every grpo.v iterations, or by the measured drift (grpo/push_policy.py)
 
     def __post_init__(self):
+        self._check_regime()
         if self.eval_every < 0 or (self.eval_every and self.eval_every % self.grpo.v):
             # Eval samples from the server, which holds pi_theta only right after a push.
             raise ValueError(f"eval_every: must be 0 or a multiple of grpo.v={self.grpo.v}, got {self.eval_every}")
@@ -128,6 +136,29 @@ class TrainConfig:
         if not hi > lo:
             raise ValueError(f"reward.terms: the weighted reward has no range ([{lo:g}, {hi:g}]) at grpo.max_new_tokens="
                              f"{self.grpo.max_new_tokens}: give a term that can fire there a nonzero weight")
+
+
+    def _check_regime(self) -> None:
+        """The sampling regime's keys, together: each one read, none contradicting another."""
+        g, r, p = self.grpo, self.rollout, self.push
+        if r.mode == "async" and g.lag:
+            raise ValueError("grpo.lag: the asynchronous sampler has no fixed lag (its bound is rollout.max_staleness); "
+                             "drop grpo.lag or set rollout.mode: sync")
+        if (r.mode == "async" or g.lag) and g.sample_ahead is not None:
+            raise ValueError("grpo.sample_ahead: with grpo.lag or rollout.mode: async the next batches always generate "
+                             "while one trains; drop grpo.sample_ahead")
+        if p.policy == "drift" and g.v != 1:
+            raise ValueError(f"grpo.v: with push.policy: drift the pushes follow the measured drift, not every v "
+                             f"iterations; drop grpo.v (it is {g.v}) or set push.policy: every_v")
+        if self.replay and (g.lag or r.mode == "async" or p.policy == "drift"):
+            raise ValueError("replay: a replay trains on the recorded batches, with no server and no pushes; drop "
+                             "grpo.lag, rollout.mode and push.policy (the recording keeps each sample's version)")
+        if g.lag:
+            # every batch still to train may need its weights again after a resume: the server keeps them
+            versions = g.lag // (p.min_interval if p.policy == "drift" else g.v) + 1
+            if self.server.keep_last < versions:
+                raise ValueError(f"server.keep_last: must be >= {versions} with grpo.lag: {g.lag} (the weights of "
+                                 f"every batch sampled but not yet trained on are kept), got {self.server.keep_last}")
 
 
 def eval_reads_training_data(cfg: TrainConfig) -> Optional[str]:
