@@ -54,11 +54,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from grpo import metrics, parity, registry, staleness
+from grpo import lags, metrics, parity, registry, staleness
 from grpo.parallel import all_reduce_max, all_reduce_sum, broadcast_json, on_main_rank
 from grpo.parity import ParityProbe, ParityVersionError, engine_parity, trainer_logprobs
 from grpo.policy import Policy, copy_policy
-from grpo.progress import Progress, alpha_lag
+from grpo.progress import PUSH_HISTORY, Progress, alpha_lag
 from grpo.recording import batch_path, record_batch, recorded_weights, sampled_by, weights_fingerprint
 from grpo.serving.client import InferenceServerError
 
@@ -81,7 +81,9 @@ class Tokens:
     cfg: Any  # the run's TrainConfig (per="probe": the `parity:` section)
     sgd_iteration: int = 0  # which of the i passes over the batch (0: the first, where logp is pi_k)
     mb: Any = None  # the grpo.batching.MicroBatch itself (None for the probe)
-    logp_push: Optional[Tensor] = None  # pi_push's (the policy at the push that sampled the batch): needs_push
+    logp_push: Optional[Tensor] = None  # pi_push's (the policy at the push that sampled each token; NaN where not kept): needs_push
+    lag_pushes: Optional[Tensor] = None  # per token: pushes since the weights that sampled it (per="batch", "pass")
+    lag_steps: Optional[Tensor] = None  # per token: optimizer steps from that push to the batch's first step (NaN: not known)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,13 @@ class Instrument:
     reduce: dict  # key -> "mean" (the default), "max" or "sum", over the active tokens
     enabled: Callable[[Any], bool]  # the TrainConfig -> whether it runs
     needs_push: bool  # it reads logp_push: it runs only on batches whose pi_push is known
+    raw: tuple[str, ...] = ()  # with `finish`: the keys fn returns (reduced as means), which finish turns into `keys`
+    finish: Optional[Callable[[dict], dict]] = None
+
+    @property
+    def reduced(self) -> tuple[str, ...]:
+        """The keys the reduction sums: fn's own."""
+        return self.raw or self.keys
 
 
 INSTRUMENTS: dict[str, Instrument] = {}
@@ -100,25 +109,30 @@ REDUCTIONS = ("mean", "max", "sum")
 
 
 def register_instrument(name: str, *, section: str, per: str = "pass", reduce: Optional[dict] = None,
-                        enabled: Callable[[Any], bool] = lambda cfg: True, needs_push: bool = False, **meanings: str):
+                        enabled: Callable[[Any], bool] = lambda cfg: True, needs_push: bool = False,
+                        raw: tuple[str, ...] = (), finish: Optional[Callable[[dict], dict]] = None, **meanings: str):
     """Decorator: register fn(x: Tokens) -> {key: per-token values} as the instrument `name`; its
     keys are declared here (key=one line of meaning, in the W&B `section`) and logged in each
     training row. per: "pass", "batch" or "probe" (module docstring); reduce: key -> "max" or "sum"
-    where a key is not a mean over the active tokens."""
+    where a key is not a mean over the active tokens. A statistic that is not a mean of per-token
+    values (an effective sample size) is made by `finish` from means: fn returns the `raw` keys,
+    the reduction averages them, finish(means) returns the declared keys."""
     reduce = dict(reduce or {})
+    if bool(raw) != (finish is not None):
+        raise ValueError(f"instrument {name}: raw keys and finish go together")
     if per not in ("pass", "batch", "probe"):
         raise ValueError(f"instrument {name}: per must be 'pass', 'batch' or 'probe', got {per!r}")
     if not meanings:
         raise ValueError(f"instrument {name}: declare its keys, key='one line of meaning'")
-    if set(reduce) - set(meanings) or set(reduce.values()) - set(REDUCTIONS):
-        raise ValueError(f"instrument {name}: reduce maps its keys ({sorted(meanings)}) to one of {list(REDUCTIONS)}, "
-                         f"got {reduce}")
+    if set(reduce) - set(raw or meanings) or set(reduce.values()) - set(REDUCTIONS):
+        raise ValueError(f"instrument {name}: reduce maps its keys ({sorted(raw or meanings)}) to one of "
+                         f"{list(REDUCTIONS)}, got {reduce}")
     if needs_push and per != "batch":
         raise ValueError(f"instrument {name}: needs_push is for per='batch' (pi_push scores the batch's first pass)")
 
     def register(fn):
-        registry.register(INSTRUMENTS, name, Instrument(name, fn, tuple(meanings), per, reduce, enabled, needs_push),
-                          "instrument")
+        registry.register(INSTRUMENTS, name, Instrument(name, fn, tuple(meanings), per, reduce, enabled, needs_push,
+                                                        tuple(raw), finish), "instrument")
         try:
             metrics.declare_many(section, meanings, module=fn.__module__)
         except ValueError:
@@ -142,7 +156,7 @@ class Reduction:
         self.sums: dict[str, Tensor | float] = {}
         self.maxima: dict[str, Tensor | float] = {}
         for instrument in instruments:
-            for key in instrument.keys:
+            for key in instrument.reduced:
                 if instrument.reduce.get(key, "mean") == "max":
                     self.maxima[key] = -math.inf
                 else:
@@ -153,10 +167,10 @@ class Reduction:
         for instrument in self.instruments if instruments is None else instruments:
             with registry.blame("instrument", instrument.name, instrument.fn.__module__):
                 values = instrument.fn(x)
-                if not isinstance(values, dict) or set(values) != set(instrument.keys):
+                if not isinstance(values, dict) or set(values) != set(instrument.reduced):
                     raise ValueError(f"instrument {instrument.name}: returned {sorted(values)}, declared "
-                                     f"{sorted(instrument.keys)}")
-                for key in instrument.keys:
+                                     f"{sorted(instrument.reduced)}")
+                for key in instrument.reduced:
                     value = torch.as_tensor(values[key]).detach().to(device=x.active.device, dtype=torch.float64)
                     if value.shape != x.active.shape:
                         raise ValueError(f"instrument {instrument.name}: {key} must hold a value per token (shape "
@@ -176,15 +190,17 @@ class Reduction:
         sums = all_reduce_sum(self.sums) if collective else {k: float(v) for k, v in self.sums.items()}
         out = {}
         for instrument in self.instruments:
-            for key in instrument.keys:
+            mine = {}
+            for key in instrument.reduced:
                 how = instrument.reduce.get(key, "mean")
                 if how == "max":
                     top = all_reduce_max(float(self.maxima[key])) if collective else float(self.maxima[key])
-                    out[key] = top if top > -math.inf else math.nan
+                    mine[key] = top if top > -math.inf else math.nan
                 elif how == "sum":
-                    out[key] = sums[key]
+                    mine[key] = sums[key]
                 else:
-                    out[key] = sums[key] / sums[f"{key}/n"] if sums[f"{key}/n"] > 0 else math.nan
+                    mine[key] = sums[key] / sums[f"{key}/n"] if sums[f"{key}/n"] > 0 else math.nan
+            out.update(instrument.finish(mine) if instrument.finish is not None else mine)
         return out
 
 
@@ -207,6 +223,10 @@ register_instrument("staleness_split", section="bound", per="batch", needs_push=
                     enabled=lambda cfg: cfg.log.split_staleness and not cfg.replay,
                     **staleness.MEANINGS)(staleness.split_terms)
 register_instrument("parity", section="bound", per="probe", reduce=parity.REDUCE, **parity.MEANINGS)(parity.parity_terms)
+register_instrument("lags", section="bound", per="batch", enabled=lambda cfg: not cfg.replay, raw=lags.BATCH_RAW,
+                    reduce={"lag_steps_max": "max"}, finish=lags.batch_finish, **lags.BATCH_MEANINGS)(lags.batch_terms)
+register_instrument("lag_clips", section="bound", per="pass", enabled=lambda cfg: not cfg.replay,
+                    **lags.PASS_MEANINGS)(lags.pass_terms)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,30 +234,52 @@ register_instrument("parity", section="bound", per="probe", reduce=parity.REDUCE
 # ----------------------------------------------------------------------------------------------
 
 
+MAX_PUSH_COPIES = 4  # frozen copies of pushed weights a run keeps at most (each a sharded model)
+
+
 class SGDPass:
     """The instruments of one SGD pass over a batch's micro-batches (every rank): the per-pass ones,
-    and on the batch's first pass the per-batch ones, those needing pi_push only where it is known
-    (push_source: False, no step since the push, so pi_push is pi_k; True, the frozen copy scores
-    each micro-batch first; None, not known)."""
+    and on the batch's first pass the per-batch ones. pi_push, per token, for those that need it:
+    `push` None: not known (they do not run); "self": no optimizer step since the push that sampled
+    every token of the batch, so pi_push is pi_k, exactly; a dict version -> the frozen copy of
+    those pushed weights, each scoring every micro-batch before its forward (on every rank, in the
+    same order: FSDP's collectives), a token whose version has no copy NaN (left out). lags: version
+    -> (pushes, optimizer steps) since it, for each token's lag."""
 
-    def __init__(self, cfg, sgd_iteration: int, first: bool, pushed_policy: Optional[Policy],
-                 push_source: Optional[bool]):
+    def __init__(self, cfg, sgd_iteration: int, first: bool, push, lags: dict[int, tuple[int, Optional[int]]]):
         self.cfg, self.sgd_iteration, self.first = cfg, sgd_iteration, first
-        batch = [i for i in active_instruments(cfg, "batch") if push_source is not None or not i.needs_push] \
+        batch = [i for i in active_instruments(cfg, "batch") if push is not None or not i.needs_push] \
             if first else []
         self.instruments = active_instruments(cfg, "pass") + batch
         self.reduction = Reduction(self.instruments)
-        self.lagged = first and push_source is True and any(i.needs_push for i in batch)
-        self.pushed_policy = pushed_policy if self.lagged else None
+        needs_push = any(i.needs_push for i in batch)
+        self.copies: Optional[dict[int, Policy]] = push if needs_push and isinstance(push, dict) else None
+        self.own = needs_push and push == "self"
+        self.lags = lags
         self.logp_push = None
 
     def before(self, mb) -> None:
-        """pi_push's log-probs of a micro-batch (no grad), where a measured instrument needs them and
-        steps were taken since the push."""
-        if self.lagged:
-            with torch.no_grad():
-                self.logp_push, _ = self.pushed_policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
-                                                       position_ids=mb.position_ids, segments=mb.segments)
+        """pi_push's log-probs of a micro-batch (no grad), from the copy of each token's version."""
+        if self.copies is None:
+            return
+        logp_push = torch.full(mb.completion_tokens.shape, math.nan, dtype=torch.float32,
+                               device=mb.completion_tokens.device)
+        with torch.no_grad():
+            for version, model in sorted(self.copies.items()):
+                logp, _ = model(mb.input_ids, mb.completion_index, mb.completion_tokens,
+                                position_ids=mb.position_ids, segments=mb.segments)
+                logp_push = torch.where(mb.token_version == version, logp.float(), logp_push)
+        self.logp_push = logp_push
+
+    def _per_token_lag(self, mb) -> tuple[Tensor, Tensor]:
+        pushes = torch.full(mb.token_version.shape, math.nan, dtype=torch.float64, device=mb.token_version.device)
+        steps = pushes.clone()
+        for version in mb.versions:
+            p, st = self.lags.get(version, (math.nan, None))
+            here = mb.token_version == version
+            pushes = torch.where(here, float(p), pushes)
+            steps = torch.where(here, math.nan if st is None else float(st), steps)
+        return pushes, steps
 
     def after(self, mb, logp: Tensor, logp_old: Tensor, active: Tensor) -> None:
         """Add a micro-batch's values: logp, the pass's forward; logp_old, pi_k's (on the first pass
@@ -245,17 +287,19 @@ class SGDPass:
         if not self.instruments:
             return
         logp_old = logp_old.detach()
+        lag_pushes, lag_steps = self._per_token_lag(mb)
+        logp_push = self.logp_push if self.copies is not None else (logp_old if self.own else None)
         x = Tokens(logp=logp.detach(), logp_old=logp_old, logp_alpha=mb.logp_alpha, active=active,
                    adv=mb.adv[mb.seq_of_token], seq_index=mb.seq_of_token, cfg=self.cfg,
-                   sgd_iteration=self.sgd_iteration, mb=mb,
-                   logp_push=self.logp_push if self.lagged else (logp_old if self.first else None))
+                   sgd_iteration=self.sgd_iteration, mb=mb, logp_push=logp_push,
+                   lag_pushes=lag_pushes, lag_steps=lag_steps)
         self.reduction.add(x)
 
     def finish(self) -> tuple[dict[str, float], dict[str, float]]:
         """(per-pass values, per-batch values), reduced over every rank (collective)."""
-        if self.lagged:  # its no-grad forwards left FSDP2's root gathered: free it until the next lagged batch
-            self.pushed_policy.reshard()
-        self.pushed_policy = self.logp_push = None
+        for model in (self.copies or {}).values():  # their no-grad forwards left FSDP2's root gathered
+            model.reshard()
+        self.copies = self.logp_push = None
         values = self.reduction.result() if self.instruments else {}
         per_pass = {key for i in self.instruments if i.per == "pass" for key in i.keys}
         return ({k: v for k, v in values.items() if k in per_pass},
@@ -268,59 +312,84 @@ class SGDPass:
 
 
 class Instruments:
-    """The registered instruments of a run, and what the shipped ones need: pi_push, the parity probe
-    and recording (every rank; I/O on rank 0). server and tokenizer are the run's (server None on
-    ranks > 0 and in replay); made_with: what recorded batches are made with
+    """The registered instruments of a run, and what the shipped ones need: frozen copies of pushed
+    weights (pi_push of each version a batch may still be sampled by), the parity probe and
+    recording (every rank; I/O on rank 0). server and tokenizer are the run's (server None on ranks
+    > 0 and in replay); made_with: what recorded batches are made with
     (grpo.recording.model_and_tokenizer, rank 0). Made with cfg, dist and policy alone (a trainer
     without a loop: scripts/compare_objectives.py), it measures the passes and batches it is given."""
 
-    def __init__(self, cfg, dist, policy: Policy, pushed_policy: Optional[Policy] = None,
+    def __init__(self, cfg, dist, policy: Policy, frozen: tuple[Policy, ...] = (),
                  run_dir: Optional[Path] = None, tokenizer=None, made_with: Optional[dict] = None):
         self.cfg, self.dist, self.run_dir = cfg, dist, Path(run_dir) if run_dir is not None else None
         self.policy, self.tokenizer = policy, tokenizer
         self.made_with = made_with  # the model and tokenizer recorded batches are made with (rank 0; grpo/recording.py)
-        self.pushed_policy = pushed_policy  # pi_push (log.split_staleness, v > 1), frozen between pushes
-        self.pushed_known = False  # pushed_policy holds the push that alpha is (False after a resume that lost it)
+        self.spare: list[Policy] = list(frozen)  # frozen models holding no version (push_copies of them)
+        self.copies: dict[int, Policy] = {}  # version -> its pushed weights, frozen (the newest ones)
         self.server = None  # set once launched (rank 0)
         self.probe: Optional[ParityProbe] = None  # the parity probe's sequences, every rank
-        self.push_source: Optional[bool] = None  # where the current batch's pi_push comes from (split_source)
+        self.push_source = None  # where the current batch's pi_push comes from (split_source)
+        self.lags: dict = {}  # the current batch's versions -> (pushes, steps) since them
         self.batch: dict = {}  # the current batch's per-batch values (its first pass)
         self.passes: dict = {}  # the last pass's per-pass values
         self.parity: dict = {}  # the current batch's probe (after a push), for its first row
-        self._sampled_by: Optional[tuple[int, dict]] = None  # (version, its fingerprint) for the recording (rank 0)
+        self._sampled_by: dict[int, dict] = {}  # version -> its fingerprint, for the recording (rank 0)
 
     @staticmethod
-    def keeps_push(cfg) -> bool:
-        """Whether the run keeps pi_push: an instrument that needs it (the staleness split, with
-        log.split_staleness) does on batches sampled after steps were taken since their push (v > 1);
-        replay has no pushes."""
-        return cfg.grpo.v > 1 and not cfg.replay and any(i.needs_push for i in active_instruments(cfg, "batch"))
+    def push_copies(cfg) -> int:
+        """How many frozen copies of pushed weights the run keeps for the instruments that need pi_push
+        (the staleness split, with log.split_staleness): one per version a batch in training may
+        have been sampled by while steps were taken since its push; none on policy (v = 1, no lag:
+        pi_push is pi_k) or in replay (no pushes). At most MAX_PUSH_COPIES (older versions' tokens
+        are then left out of the split, and `split_coverage` says how many were measured)."""
+        if cfg.replay or not any(i.needs_push for i in active_instruments(cfg, "batch")):
+            return 0
+        every = cfg.push.min_interval if cfg.push.policy == "drift" else cfg.grpo.v
+        if cfg.rollout.mode == "async":
+            need = cfg.rollout.max_staleness // (every * cfg.grpo.i) + 2
+        elif cfg.grpo.lag:
+            need = cfg.grpo.lag // every + 1
+        else:
+            need = 1 if cfg.grpo.v > 1 or cfg.push.policy == "drift" else 0
+        return min(need, MAX_PUSH_COPIES)
 
     # -- the loop's points ---------------------------------------------------------------------
 
     def start(self) -> None:
         """A fresh run: version 0, served from the model directory, is pi_theta_0."""
-        self.after_push()
+        self.after_push(0)
 
-    def after_push(self) -> None:
-        """pi_push <- pi_theta (collective: a local copy of each shard)."""
-        if self.pushed_policy is not None:
-            copy_policy(self.pushed_policy, self.policy)
-            self.pushed_known = True
+    def after_push(self, version: int, weights_dir: Optional[str] = None) -> None:
+        """pi_push <- pi_theta as `version` (a local copy of each shard), in the oldest version's copy
+        once every copy holds one: every rank keeps the same versions. With log.save_rollouts, the
+        fingerprint of the weights pushed (rank 0), for the batches they sample."""
+        self.served(version, weights_dir)
+        if not self.spare and not self.copies:
+            return
+        model = self.spare.pop() if self.spare else self.copies.pop(min(self.copies))
+        copy_policy(model, self.policy)
+        self.copies[version] = model
 
-    def after_sampling(self, progress: Progress, stage: int, k: int, seed: int, rollout) -> None:
+    def served(self, version: int, weights_dir: Optional[str]) -> None:
+        """The server serves `weights_dir` as `version` (a push, or a resume serving saved weights
+        again): with log.save_rollouts, their fingerprint (rank 0), for the batches they sample."""
+        if self.cfg.log.save_rollouts and self.dist.is_main and not self.cfg.replay:
+            self._fingerprint(version, weights_dir)
+
+    def after_sampling(self, progress: Progress, stage: int, k: int, seed: int, rollout, pushed: bool) -> None:
         """The batch as trained on to <run>/rollouts/; the parity probe right after a push (collective);
         the weights that give the batch's pi_push."""
         if self.cfg.log.save_rollouts:  # a full disk on rank 0 stops every rank (collective)
             on_main_rank(self.dist.is_main, lambda: str(record_batch(
-                self.run_dir, stage, k, seed, rollout, {**self.made_with, **self.weights_of_batch(progress, stage, k)})))
-        self.parity = self.probe_parity(progress, rollout, stage, k) if k % self.cfg.grpo.v == 0 else {}
+                self.run_dir, stage, k, seed, rollout, {**self.made_with, **self.weights_of_batch(rollout, stage, k, progress)})))
+        self.parity = self.probe_parity(progress, rollout, stage, k) if pushed else {}
+        self.lags = {v: alpha_lag(progress, v, progress.step) for v in rollout.versions}
         self.push_source = self.split_source(progress, rollout)
         self.batch = {}
 
     def sgd_pass(self, sgd_iteration: int, first: bool) -> SGDPass:
         """The instruments of an SGD pass (first: the batch's first, parameters pi_k)."""
-        return SGDPass(self.cfg, sgd_iteration, first, self.pushed_policy, self.push_source)
+        return SGDPass(self.cfg, sgd_iteration, first, self.push_source, self.lags)
 
     def finished(self, measured: SGDPass) -> None:
         """An SGD pass's values, reduced over the ranks (collective), kept for the step's row."""
@@ -334,14 +403,24 @@ class Instruments:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def push_model_to_save(self, inside_window: bool) -> Optional[Policy]:
-        """pi_push for a checkpoint saved inside a v-window (a resume then splits exactly as the run)."""
-        return self.pushed_policy if inside_window and self.pushed_policy is not None and self.pushed_known else None
+    def push_model_to_save(self, progress: Progress) -> Optional[Policy]:
+        """The copy of the newest push, when steps were taken since it (a resume then splits the
+        next batches exactly as the run). Copies of older versions are not saved: after a resume
+        their tokens are left out of the split."""
+        if progress.pushed_at_step is None or progress.step == progress.pushed_at_step:
+            return None
+        return self.copies.get(progress.weights_version)
 
-    def resumed(self, push_model_saved: bool) -> None:
-        """After the checkpointer loaded pi_push (if the checkpoint held it), and the run's probe
-        (drawn with the parity settings it has now; else drawn again from the next probed batch)."""
-        self.pushed_known = self.pushed_policy is not None and push_model_saved
+    def model_to_load(self) -> Optional[Policy]:
+        """A frozen model for the checkpoint's copy of the newest push, if the run keeps any."""
+        return self.spare[-1] if self.spare else None
+
+    def resumed(self, push_model_saved: bool, version: int) -> None:
+        """After the checkpointer loaded the newest push's copy (if the checkpoint held it) into
+        model_to_load(), and the run's probe (drawn with the parity settings it has now; else drawn
+        again from the next probed batch)."""
+        if push_model_saved and self.spare:
+            self.copies[version] = self.spare.pop()
         probe = None
         if self.dist.is_main:
             probe = ParityProbe.load(self.run_dir)
@@ -353,35 +432,42 @@ class Instruments:
 
     def close(self) -> None:
         """Drop the sharded models: they hold the process group, which Run.close frees."""
-        self.policy = self.pushed_policy = None
+        self.policy, self.copies, self.spare, self.push_source = None, {}, [], None
 
     # -- inside ----------------------------------------------------------------------------------
 
-    def weights_of_batch(self, progress: Progress, stage: int, k: int) -> dict[str, str]:
-        """The fingerprint of the weights that sampled batch (stage, k), for its recording (rank 0):
-        alpha's weights directory (the model directory at version 0), read once per version; a
-        replay's, the recording's own."""
+    def weights_of_batch(self, rollout, stage: int, k: int, progress: Progress) -> dict[str, str]:
+        """The fingerprint of the weights that sampled the batch, for its recording (rank 0): taken
+        at each push (the model directory's at version 0; a resumed run's current version from the
+        weights its checkpoint kept); a replay's, the recording's own. A batch of several versions
+        (the asynchronous sampler) is recorded with its oldest's."""
         if self.cfg.replay:
             return recorded_weights(batch_path(self.cfg.replay, stage, k))
-        version = progress.weights_version
-        if self._sampled_by is None or self._sampled_by[0] != version:
-            weights_dir = progress.weights_dir or self.cfg.model.path
-            self._sampled_by = version, sampled_by(version, weights_fingerprint(weights_dir))
-        return self._sampled_by[1]
+        version = rollout.weights_version
+        if version not in self._sampled_by and version == progress.weights_version:
+            self._fingerprint(version, progress.weights_dir)
+        if version not in self._sampled_by:
+            raise RuntimeError(f"the weights of version {version}, which sampled batch ({stage}, {k}), are no longer "
+                               f"known: a resumed run does not record batches of versions before its resume")
+        return self._sampled_by[version]
 
-    def split_source(self, progress: Progress, rollout) -> Optional[bool]:
-        """Where pi_push's log-probs come from for this batch (grpo/staleness.py): False: no optimizer
-        step since the push that sampled it, so pi_push is pi_k (on policy, exactly); True: steps
-        were taken, the frozen copy of the pushed weights scores it; None: not known (replay, a
-        resume that lost the copy): the instruments that need it are not run."""
+    def _fingerprint(self, version: int, weights_dir: Optional[str]) -> None:
+        self._sampled_by[version] = sampled_by(version, weights_fingerprint(weights_dir or self.cfg.model.path))
+        for old in sorted(self._sampled_by)[:-PUSH_HISTORY]:
+            del self._sampled_by[old]
+
+    def split_source(self, progress: Progress, rollout):
+        """Where pi_push's log-probs come from for this batch (grpo/staleness.py): "self": every token
+        was sampled by the newest push and no optimizer step was taken since, so pi_push is pi_k (on
+        policy, exactly); a dict version -> frozen copy for the batch's versions that have one; None:
+        none known (replay, a resume that lost the copy): the instruments that need it are not run."""
         if self.cfg.replay:
             return None
-        pushes, steps = alpha_lag(progress, rollout.weights_version, progress.step)
-        if pushes != 0 or steps is None:
-            return None
-        if steps == 0:
-            return False
-        return True if self.pushed_policy is not None and self.pushed_known else None
+        versions = rollout.versions
+        if versions == [progress.weights_version] and progress.step == progress.pushed_at_step:
+            return "self"
+        copies = {v: self.copies[v] for v in versions if v in self.copies}
+        return copies or None
 
     def probe_parity(self, progress: Progress, rollout, stage: int, k: int) -> dict:
         """Right after a push (and at the start), before any step on the new weights: the engine and
