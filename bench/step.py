@@ -10,6 +10,12 @@ i=1, no eval. Three settings, each M iterations:
                while the trainer trains on batch k; where the trainer and the CPU server share
                cores (this machine) they split them meanwhile (cpu.split_cores, grpo/cpu/cores.py);
   v10-ahead-unsplit  the same without the split: both at full width on the same cores.
+  lag0-apart   on-policy (v = 1) with the engine on core 0 and the trainer on core 1 (cpu.engine_cores=0,
+               the trainer under `taskset -c 1`): generate, then train, in turn;
+  lag1-apart   the same with grpo.lag=1: batch k+1 is sampled from the push before batch k while k
+               trains (grpo/batch_source.py), across pushes. Its headline: seconds per iteration
+               against lag0-apart's, and against generate + train and max(generate, train) as each
+               run measured them (the overlap's gain, and how close it comes to the ideal).
 Per setting, the mean over iterations 2..M (the first pays one-off start-up and cannot overlap) of
 generate / wait / reward / train / push seconds, the iteration's wall seconds (time_iteration),
 and seconds per 1000 completion tokens and per 1000 trained tokens (so runs whose batches differ
@@ -46,7 +52,11 @@ sys.path.insert(0, str(ROOT))
 
 SETTINGS = {"v1": ["grpo.v=1"], "v10": ["grpo.v=10", "grpo.sample_ahead=false"],
             "v10-ahead": ["grpo.v=10", "grpo.sample_ahead=true"],
-            "v10-ahead-unsplit": ["grpo.v=10", "grpo.sample_ahead=true", "cpu.split_cores=false"]}
+            "v10-ahead-unsplit": ["grpo.v=10", "grpo.sample_ahead=true", "cpu.split_cores=false"],
+            "lag0-apart": ["grpo.v=1", "grpo.lag=0", "cpu.engine_cores=0"],
+            "lag1-apart": ["grpo.v=1", "grpo.lag=1", "cpu.engine_cores=0"]}
+# the settings that put the trainer on a core of its own (the engine's is cpu.engine_cores=0)
+APART = {"lag0-apart", "lag1-apart"}
 TASKS = {
     "arithmetic": [],
     "gsm8k": ["data.dataset=gsm8k_train", "data.system_prompt=You are a helpful assistant that solves math problems.",
@@ -64,9 +74,10 @@ def run(model_dir: Path, name: str, out_dir: Path, iterations: int, extra: list[
         "grpo.max_new_tokens=128", "grpo.temperature=1.0", "objective.beta=0.04", "eval_data=null",
         "checkpoint.every=0", *extra,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    cmd = [str(ROOT / ".venv/bin/torchrun"), "--standalone", "--nproc_per_node=1", str(ROOT / "train.py"),
-           "--config", str(ROOT / "configs/cpu_demo.yaml"), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if name in APART else os.environ.get("OMP_NUM_THREADS", "2")}
+    cmd = (["taskset", "-c", "1"] if name in APART else []) + [
+        str(ROOT / ".venv/bin/torchrun"), "--standalone", "--nproc_per_node=1", str(ROOT / "train.py"),
+        "--config", str(ROOT / "configs/cpu_demo.yaml"), *overrides]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -131,6 +142,14 @@ def main() -> None:
         # tokens trained) differ from v10's: the same ratio per trained token compares equal work.
         summary["v10_ahead_over_v10_per_train_token"] = round(
             results["v10-ahead"]["s_per_1000_train_tokens"] / results["v10"]["s_per_1000_train_tokens"], 3)
+    if "lag0-apart" in results and "lag1-apart" in results:
+        lag0, lag1 = results["lag0-apart"], results["lag1-apart"]
+        summary["lag1_over_lag0_seconds_per_iteration"] = round(lag1["iteration_s"] / lag0["iteration_s"], 3)
+        summary["lag0_over_generate_plus_train"] = round(
+            lag0["iteration_s"] / (lag0["generate_s"] + lag0["reward_s"] + lag0["train_s"]), 3)
+        summary["lag1_over_max_generate_train"] = round(
+            lag1["iteration_s"] / max(lag1["generate_s"] + lag1["reward_s"], lag1["train_s"]), 3)
+        summary["overlap_gain"] = round((lag1["generate_s"] + lag1["reward_s"] + lag1["train_s"]) / lag1["iteration_s"], 3)
     if "v10" in results and "v10-ahead-unsplit" in results:
         ratio = results["v10-ahead-unsplit"]["iteration_s"] / results["v10"]["iteration_s"]
         summary["v10_ahead_unsplit_over_v10_seconds_per_iteration"] = round(ratio, 3)
