@@ -152,3 +152,63 @@ def my_loss(x, cfg):
     with registered(path):
         line = refused(capsys, f"plugins=[{path}]", "objective.loss=my_loss")
     assert "objective.eps_high: my_loss needs >= 0.25, got 0.2 (loss my_loss, " in line and "checked.py" in line
+
+
+# ---- the sampling regime's keys, together (grpo/batch_source.py, grpo/push_policy.py) ----------
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["rollout.mode=async", "grpo.lag=1"], ["grpo.lag:", "rollout.max_staleness"]),
+    (["rollout.max_staleness=2"], ["max_staleness: only the asynchronous sampler reads it", "rollout.mode: async"]),
+    (["grpo.lag=1", "grpo.sample_ahead=true"], ["grpo.sample_ahead:", "drop grpo.sample_ahead"]),
+    (["push.policy=drift"], ["grpo.v: with push.policy: drift", "(it is 2)"]),  # tiny_test.yaml's v
+    (["push.tv_threshold=0.1"], ["tv_threshold: only push.policy: drift reads it"]),
+    (["push.policy=drift", "grpo.v=1", "push.ess_threshold=0.5"], ["ess_threshold: read with push.signal: is_weight_ess"]),
+    (["grpo.lag=2", "grpo.v=1"], ["server.keep_last: must be >= 3 with grpo.lag: 2"]),
+])
+def test_a_regime_key_that_is_idle_or_contradicts_another_is_refused(capsys, overrides, needles):
+    line = refused(capsys, *overrides)
+    for needle in needles:
+        assert needle in line, line
+
+
+def test_the_drift_push_schedule_decides_from_the_last_measurement_within_its_bounds():
+    """grpo.push_policy.PushSchedule by hand: every v iterations; or by the drift measured on the batch
+    just trained, never within min_interval of the last push, always at max_interval."""
+    from grpo.push_policy import PushConfig, PushSchedule
+
+    every = PushSchedule(PushConfig(), v=3)
+    assert [every.due(k, since=0).push for k in range(7)] == [True, False, False, True, False, False, True]
+    drift = PushSchedule(PushConfig(policy="drift", tv_threshold=0.05, min_interval=2, max_interval=4), v=1)
+    drift.measured({"tv_staleness": 0.07})
+    assert drift.due(5, since=1).push is False  # within min_interval, whatever the drift
+    assert drift.due(5, since=2) == drift.due(5, since=3)
+    assert drift.due(5, since=2).reason == "drift"
+    drift.measured({"tv_staleness": 0.049})
+    assert drift.due(5, since=3).push is False and drift.due(5, since=4).reason == "ceiling"
+    drift.measured({})  # not measured (a batch with no active token): only the ceiling
+    assert drift.due(5, since=3).push is False
+    ess = PushSchedule(PushConfig(policy="drift", signal="is_weight_ess", ess_threshold=0.8), v=1)
+    ess.measured({"is_weight_ess": 0.81})
+    assert not ess.due(1, since=1).push
+    ess.measured({"is_weight_ess": 0.8})
+    assert ess.due(1, since=1).reason == "drift"
+    restored = PushSchedule(PushConfig(policy="drift", tv_threshold=0.05), v=1)
+    restored.load_state_dict(drift.state_dict())
+    assert restored.last == drift.last is None
+
+
+def test_the_pushed_copies_a_regime_keeps():
+    """Instruments.push_copies: none on policy, one per version a batch in training may lag by."""
+    from grpo.config import load_config
+    from grpo.instruments import Instruments
+    from grpo.train_config import TrainConfig
+
+    def copies(*overrides):
+        return Instruments.push_copies(load_config(TrainConfig, CONFIG, list(overrides)))
+
+    assert copies("grpo.v=1") == 0  # on policy: pi_push is pi_k
+    assert copies("grpo.v=4") == 1
+    assert copies("grpo.v=1", "grpo.lag=1") == 2 and copies("grpo.v=2", "grpo.lag=3") == 2
+    assert copies("grpo.v=1", "rollout.mode=async", "rollout.max_staleness=1", "grpo.i=1") == 3
+    assert copies("grpo.v=1", "grpo.lag=9", "server.keep_last=10") == 4  # at most MAX_PUSH_COPIES
+    assert copies("grpo.v=4", "log.split_staleness=false") == 0
