@@ -366,6 +366,39 @@ def test_seeded_batches_repeat_exactly(server, tiny):
 
 
 @pytest.mark.vllm
+def test_a_seeded_batch_whose_client_hung_up_while_it_waited_leaves_the_engine_running(server, tiny):
+    """A seeded batch pauses the scheduler (in-flight requests finish first) to reseed it. Bug: the
+    pause was awaited before the block that resumes it, so a client that hung up while the pause
+    waited for a running batch cancelled the handler there and left the engine paused: every later
+    request queued until the next seeded batch or push. Now the scheduler is resumed however the
+    seeded batch ends, and a plain sample after it is served at once."""
+    prompts = tiny["prompt_ids"]
+
+    def client():  # one per thread: a requests session is not shared between threads
+        return InferenceClient(server.client.url, server._token, retry_deadline_s=1)
+
+    busy = {"n": 8, "max_tokens": 200, "temperature": 1.0}  # a plain batch of a few seconds to wait for
+    t0 = time.monotonic()
+    client().generate(prompts, **busy)
+    alone = time.monotonic() - t0
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(lambda: client().generate(prompts * max(1, round(3 / max(alone, 0.1))), **busy))
+        time.sleep(0.5)  # the plain batch runs; the seeded one's pause now waits for it
+        with pytest.raises(ServerUnavailableError, match="no answer within"):
+            client().request("POST", "/grpo/generate", timeout=1.0, retry=False, json_body={
+                "prompt_token_ids": prompts, "n": 2, "max_tokens": 4, "temperature": 1.0, "seed": 11})
+        assert not running.done(), "the plain batch ended before the seeded one hung up: nothing was tested"
+        running.result(timeout=300)
+    small = InferenceClient(server.client.url, server._token, timeout_s=20.0, retry_deadline_s=1)
+    try:
+        t1 = time.monotonic()
+        small.generate(prompts[:1], n=1, max_tokens=4, temperature=1.0)
+        assert time.monotonic() - t1 < 10
+    finally:  # before the fix, a seeded batch was the one way to resume the engine for the tests after this one
+        server.generate(prompts[:1], n=1, max_tokens=2, temperature=1.0, seed=1)
+
+
+@pytest.mark.vllm
 def test_the_cpu_engine_draws_tokens_by_inverse_cdf_from_the_processed_distribution(server, tiny):
     """The server replaces vLLM's CPU Gumbel sampler with inverse-CDF sampling (grpo.cpu.sampler)
     and says so in /grpo/health. Through the real engine, first tokens follow softmax(logits / T)

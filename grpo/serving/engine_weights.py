@@ -12,6 +12,7 @@ started with, and takes no new work (pause_generation, mode "wait") while the we
 push counts as served only once the reset has succeeded, and a reset that fails is a refused push:
 the previous weights are reloaded, as for any other failure."""
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -39,6 +40,20 @@ def _expected_tensors(model_dir: Path) -> dict[str, tuple[str, list[int]]]:
         for name, info in read_safetensors_header(f).items():
             out[name] = (info["dtype"], list(info["shape"]))
     return out
+
+
+@contextlib.asynccontextmanager
+async def engine_paused(engine):
+    """The engine's scheduler paused for the block: what it runs finishes first, on the weights it
+    started with (mode "wait"), and nothing new starts until the block ends. Resumed however the
+    block ends, the pause's own wait included: a handler cancelled while the pause waited (its client
+    hung up) would otherwise leave the scheduler paused, and every later request queued. The resume
+    is shielded, so a second cancellation cannot skip it."""
+    try:
+        await engine.pause_generation(mode="wait", clear_cache=False)
+        yield
+    finally:
+        await asyncio.shield(engine.resume_generation())
 
 
 def serving_dtype_name(dtype) -> str:
@@ -124,12 +139,8 @@ class WeightsState:
                 raise WeightPushError(f"version {version} is not newer than the served version {self.version}")
             t0 = time.perf_counter()
             # What the engine runs now (none of ours: the gate waited for them) ends on the old weights.
-            await self.engine.pause_generation(mode="wait", clear_cache=False)
-            try:
-                reply = await self._swap(manifest, hashes_checked, t0)
-            finally:
-                await self.engine.resume_generation()
-        return reply
+            async with engine_paused(self.engine):
+                return await self._swap(manifest, hashes_checked, t0)
 
     async def reset(self) -> dict[str, Any]:
         """Serve the model directory again, as version 0: a run that attaches to this server starts
@@ -140,8 +151,7 @@ class WeightsState:
             if self.version == 0 and self.serving_dir == self.model_dir and not self.broken:
                 return {"version": 0, "seconds": 0.0, "unchanged": True}
             t0 = time.perf_counter()
-            await self.engine.pause_generation(mode="wait", clear_cache=False)
-            try:
+            async with engine_paused(self.engine):
                 try:
                     await self._reload(self.model_dir)
                 except Exception as e:
@@ -151,8 +161,6 @@ class WeightsState:
                 self.broken = None
                 (self.root / SERVING_MARKER).unlink(missing_ok=True)
                 await self._forget_cached_kv()
-            finally:
-                await self.engine.resume_generation()
             fingerprint = merge_rank_fingerprints(await self.engine.collective_rpc("grpo_weights_fingerprint"))
         return {"version": 0, "seconds": time.perf_counter() - t0, "fingerprint": fingerprint}
 

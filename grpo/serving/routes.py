@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 
 from grpo.fsutil import HashError, new_hasher
 from grpo.serving.client import SCORE_MAX_TOKENS
-from grpo.serving.engine_weights import WeightsState
+from grpo.serving.engine_weights import WeightsState, engine_paused
 from grpo.serving.weights_check import check_weights_dir
 from grpo.serving.weights_dir import (MANIFEST_FORMAT, MANIFEST_NAME, WEIGHTS_FILE, WeightPushError, prune_weights,
                                       weights_dir_name)
@@ -265,14 +265,11 @@ class Routes:
         workers, queue every request, resume."""
         base = uuid.uuid4().hex
         async with self.seeded_lock:
-            await self.engine.pause_generation(mode="wait", clear_cache=False)
-            try:
+            async with engine_paused(self.engine):
                 await self.control.use(req.threads)
                 await self.engine.collective_rpc("grpo_reseed", args=(req.seed,))
                 queues = [await self.engine.add_request(f"grpo-{base}-{i}", {"prompt_token_ids": ids}, params)
                           for i, ids in enumerate(req.prompt_token_ids)]
-            finally:
-                await self.engine.resume_generation()
             try:
                 finals = await asyncio.gather(*(drain(q) for q in queues))
             except asyncio.CancelledError:  # requests added this way are not aborted by the engine itself
