@@ -46,7 +46,7 @@ import torch
 from grpo import metrics
 from grpo.cpu import CPUConfig
 from grpo.serving.client import GenerationResult, InferenceServerError, ScoreResult
-from grpo.serving.inference import InferenceServer, ServerConfig
+from grpo.serving.inference import InferenceServer, ServerConfig, weights_parent
 
 metrics.declare("fleet_server*", "time", "with several inference servers (server.replicas or server.urls): "
                 "fleet_server<r>_groups, the batch's groups server r sampled (groups g with g mod R = r), "
@@ -96,7 +96,7 @@ class ServerFleet:
         else:
             gpus = list(gpus)
             many = len(gpus) > 1
-            configs = [replace(cfg, replicas=1, port=cfg.port + r if cfg.port else 0) for r in range(len(gpus))]
+            configs = cls.replica_configs(cfg, model_dir, run_dir, len(gpus))
             starts = [lambda r=r: InferenceServer.launch(model_dir, configs[r], run_dir, gpu=gpus[r],
                                                          gpu_memory_utilization=gpu_memory_utilization, cpu=cpu,
                                                          name=f"server{r}" if many else "server")
@@ -113,6 +113,15 @@ class ServerFleet:
                 server.stop()
             raise failed[0]
         return cls(started)
+
+    @staticmethod
+    def replica_configs(cfg: ServerConfig, model_dir: str | Path, run_dir: str | Path, replicas: int
+                        ) -> list[ServerConfig]:
+        """Each launched server's own config: one server each (on server.port + r where a port is
+        set), each with the parent of its private weights root decided (grpo.serving.inference.weights_parent)."""
+        return [replace(cfg, replicas=1, port=cfg.port + r if cfg.port else 0,
+                        weights_root=str(weights_parent(cfg, Path(model_dir), Path(run_dir).resolve())))
+                for r in range(replicas)]
 
     # -- parallel calls
     def _each(self, call: Callable[[int, InferenceServer], object], which: Optional[Sequence[int]] = None

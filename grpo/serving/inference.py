@@ -173,13 +173,18 @@ def _private_root(parent: Path, name: str) -> Path:
     return owned_dir(parent, "weights", name)
 
 
-def _default_parent(run_dir: Path, need_bytes: int, keep_last: int) -> Path:
-    """/dev/shm when tmpfs has room for keep_last + 2 pushes (the server then reads the trainer's
-    writes from memory, no disk), else the run directory."""
+def weights_parent(cfg: ServerConfig, model_dir: Path, run_dir: Path, roots: int = 1) -> Path:
+    """Where launched servers make their private weights roots: server.weights_root if set, else
+    /dev/shm when tmpfs has room for keep_last + 2 pushes in each of `roots` roots (the server then
+    reads the trainer's writes from memory, no disk), else the run directory."""
+    if cfg.weights_root:
+        return Path(cfg.weights_root)
+    model_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    need = roots * model_bytes * (cfg.keep_last + 2) + (1 << 30)
     shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > need_bytes * (keep_last + 2) + (1 << 30):
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > need:
         return shm
-    return run_dir
+    return Path(run_dir)
 
 
 def server_command(cfg: ServerConfig, model_dir: Path, root: Path, server_dir: Path, dtype: torch.dtype,
@@ -250,9 +255,7 @@ class InferenceServer:
             return cls(cfg, client, model_dir, run_dir, root)
         server_dir = run_dir / name
         server_dir.mkdir(parents=True, exist_ok=True)
-        model_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-        parent = Path(cfg.weights_root) if cfg.weights_root else _default_parent(run_dir, model_bytes, cfg.keep_last)
-        root = _private_root(parent, run_dir.name)
+        root = _private_root(weights_parent(cfg, model_dir, run_dir), run_dir.name)
         token = secrets.token_urlsafe(32)
         token_file = server_dir / "token"
         token_file.unlink(missing_ok=True)
