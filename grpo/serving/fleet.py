@@ -118,9 +118,11 @@ class ServerFleet:
     def replica_configs(cfg: ServerConfig, model_dir: str | Path, run_dir: str | Path, replicas: int
                         ) -> list[ServerConfig]:
         """Each launched server's own config: one server each (on server.port + r where a port is
-        set), each with the parent of its private weights root decided (grpo.serving.inference.weights_parent)."""
-        return [replace(cfg, replicas=1, port=cfg.port + r if cfg.port else 0,
-                        weights_root=str(weights_parent(cfg, Path(model_dir), Path(run_dir).resolve())))
+        set), and the parent of its private weights root decided once for all of them
+        (grpo.serving.inference.weights_parent): every server has a root of its own there and a push
+        writes one copy into each, so /dev/shm is chosen only when it holds the pushes of all R."""
+        parent = weights_parent(cfg, Path(model_dir), Path(run_dir).resolve(), roots=replicas)
+        return [replace(cfg, replicas=1, port=cfg.port + r if cfg.port else 0, weights_root=str(parent))
                 for r in range(replicas)]
 
     # -- parallel calls

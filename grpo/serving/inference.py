@@ -58,8 +58,9 @@ class ServerConfig:
     port: int = 0  # port of the launched server; 0 = pick a free one
     device: str = "auto"  # the server's GPU as an index into the visible GPUs ("auto": the first), or "cpu"
     dtype: str = "auto"  # serving dtype (vLLM --dtype); float32 makes greedy outputs match HF exactly
-    weights_root: Optional[str] = None  # launch: where its private weights root is made (default /dev/shm if roomy,
-    #                                     else the run dir); attach with push_mode path: the server's own root
+    weights_root: Optional[str] = None  # launch: where its private weights roots are made (default /dev/shm if
+    #                                     it holds every replica's pushes, else the run dir); attach with push_mode
+    #                                     path: the server's own root
     keep_last: int = 2  # weight directories kept after each push (>= 1; the served one is always kept)
     push_mode: Literal["path", "bytes"] = "path"  # path: shared filesystem; bytes: file in the request body
     weights_hash: Literal["sha256", "blake3"] = "blake3"  # manifest checksum: blake3 is faster than sha256 (docs/benchmarks)
@@ -176,7 +177,9 @@ def _private_root(parent: Path, name: str) -> Path:
 def weights_parent(cfg: ServerConfig, model_dir: Path, run_dir: Path, roots: int = 1) -> Path:
     """Where launched servers make their private weights roots: server.weights_root if set, else
     /dev/shm when tmpfs has room for keep_last + 2 pushes in each of `roots` roots (the server then
-    reads the trainer's writes from memory, no disk), else the run directory."""
+    reads the trainer's writes from memory, no disk), else the run directory. A fleet's launched
+    servers have a root each, and a push writes a copy into every one (grpo/serving/fleet.py): the
+    fleet asks for all its roots at once."""
     if cfg.weights_root:
         return Path(cfg.weights_root)
     model_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
