@@ -588,7 +588,65 @@ def test_generation_waits_during_a_push(server, tiny):
 
 @pytest.mark.vllm
 def test_health_reports_the_lm_head_dtype_the_engine_runs(server):
-    assert server.client.request("GET", "/grpo/health")["head_dtype"] == "float32"
+    health = server.client.request("GET", "/grpo/health")
+    assert (health["dtype"], health["head_dtype"]) == ("float32", "float32")
+    server.check_head_dtype()  # what a run attached to it checks: fp32 asked, fp32 run
+
+
+@pytest.mark.vllm
+def test_an_attached_server_whose_lm_head_runs_in_another_dtype_is_refused_at_start_up(tiny, tmp_path):
+    """Over 60 s: it starts a bf16 server of its own (~40 s; the module's server is fp32, whose LM head
+    is fp32 whatever server.head_dtype says) and a training run that attaches to it.
+
+    server.head_dtype float32 means alpha's log-probs come from fp32 logits, as the trainer's do. Bug:
+    an attached server's head dtype was never checked (/grpo/health reports it), so a run attached to
+    a server started with --head-dtype model trained with bf16-head log-probs in every ratio. Now the
+    run stops at start-up with one line naming the URL, the server's head dtype and the config's,
+    exit 2, before it changes anything on the server."""
+    from grpo.serving.server import TOKEN_ENV
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    token = tmp_path / "token"
+    token.write_text("t" * 32 + "\n")
+    token.chmod(0o600)
+    (tmp_path / "w").mkdir(mode=0o700)
+    port_file = tmp_path / "port"
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "grpo.serving.server", "--model", str(tiny["model_dir"]), "--weights-root",
+             str(tmp_path / "w"), "--token-file", str(token), "--dtype", "bfloat16", "--head-dtype", "model",
+             "--max-model-len", "256", "--enforce-eager", "--port-file", str(port_file),
+             "--parent-pid", str(os.getpid())],
+            cwd=root, env={**{k: v for k, v in os.environ.items() if k != TOKEN_ENV}, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        client, deadline = None, time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None:
+            if port_file.is_file() and port_file.read_text().strip():
+                client = InferenceClient(f"http://127.0.0.1:{port_file.read_text().strip()}", "t" * 32,
+                                         retry_deadline_s=1)
+                if client.health():
+                    break
+            time.sleep(0.5)
+        assert client is not None and client.health(), (tmp_path / "server.log").read_text()[-3000:]
+        assert client.request("GET", "/grpo/health")["head_dtype"] == "bfloat16"
+        run = subprocess.run(
+            [sys.executable, "train.py", "--config", "configs/tiny_test.yaml", f"model.path={tiny['model_dir']}",
+             f"log.out_dir={tmp_path / 'runs'}", "log.run_name=attached", f"server.url={client.url}",
+             "server.push_mode=bytes", f"server.token_file={token}", "server.dtype=bfloat16", "grpo.S=1", "grpo.M=1"],
+            cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0", "WANDB_MODE": "offline"},
+            capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2, run.stderr[-3000:]
+        errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
+        assert errors == [f"config error: server.head_dtype: {client.url} runs its LM head in bfloat16, the config's "
+                          f"server.head_dtype is float32; start the server with --head-dtype float32, or set "
+                          f"server.head_dtype: model"], run.stderr[-3000:]
+        assert "Traceback" not in run.stderr
+        assert client.weights_version() == 0
+    finally:
+        if group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @pytest.mark.vllm

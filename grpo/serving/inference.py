@@ -30,6 +30,7 @@ from typing import Literal, Optional
 
 import torch
 
+from grpo.config import ConfigError
 from grpo.cpu import CPUConfig
 from grpo.cpu.bf16 import multiplies_bf16
 from grpo.fsutil import owned_dir
@@ -439,12 +440,30 @@ class InferenceServer:
         """A run's versions start at 0, the model directory. An attached server may serve another
         run's push, or this run's from past its checkpoint (a resume after a crash): it is reset, or
         the run's pushes would be refused as not newer, and its samples would come from weights the
-        run never pushed. A launched server is fresh."""
+        run never pushed. A launched server is fresh. First, its LM head must run in the dtype the
+        config asks (check_head_dtype)."""
+        self.check_head_dtype()
         version = self.weights_version()
         if version != 0:
             print(f"[grpo] inference server {self.url} served version {version} (another run's, or this run's "
                   f"past its checkpoint); reset to its model directory, version 0", file=sys.stderr)
             self.reset()
+
+    def check_head_dtype(self) -> None:
+        """The server's LM head runs in the dtype server.head_dtype asks: float32 (alpha's log-probs
+        from fp32 logits, as the trainer's) or "model" (the serving dtype). An attached server was
+        started by someone else with its own --head-dtype; ConfigError naming the URL and both dtypes
+        when it differs, before anything on the server changes."""
+        health = self.client.request("GET", "/grpo/health")
+        head = health.get("head_dtype")
+        served = health.get("dtype") or str(self.serve_dtype).removeprefix("torch.")
+        wanted = "float32" if self.cfg.head_dtype == "float32" else served
+        if head is not None and head != wanted:
+            other = "float32" if head == "float32" else "model"
+            raise ConfigError(f"server.head_dtype: {self.url} runs its LM head in {head}, the config's "
+                              f"server.head_dtype is {self.cfg.head_dtype}"
+                              f"{'' if self.cfg.head_dtype == wanted else f' ({wanted} there)'}; start the server "
+                              f"with --head-dtype {self.cfg.head_dtype}, or set server.head_dtype: {other}")
 
     # -- lifecycle
     def _report_restart(self, error: Exception) -> None:

@@ -1,6 +1,6 @@
 """The server's own routes, beside vLLM's OpenAI app:
 
-  GET  /grpo/health          open; 200 {"ok", "weights_version", "sampler", "head_dtype"} or 503 with the reason
+  GET  /grpo/health          open; 200 {"ok", "weights_version", "sampler", "dtype", "head_dtype"} or 503 with the reason
   GET  /grpo/weights_version open; {"weights_version", "step", "dir"}
   POST /grpo/generate        B prompts (token ids) x n samples -> token ids, log-probs, finish reasons
   POST /grpo/score           (prompt, completion) token ids -> each completion token's log-prob, as sampled
@@ -181,8 +181,10 @@ class Routes:
             return error(503, self.state.broken)
         if self.engine.errored:
             return error(503, "the vLLM engine is dead")
+        config = self.engine.model_config
         return {"ok": True, "weights_version": self.state.version, "sampler": self.control.sampler,
-                "head_dtype": str(self.engine.model_config.head_dtype).removeprefix("torch.")}
+                "dtype": str(config.dtype).removeprefix("torch."),
+                "head_dtype": str(config.head_dtype).removeprefix("torch.")}
 
     async def weights_version(self):
         return {"weights_version": self.state.version, "step": self.state.step, "dir": self.state.serving_dir.name}
