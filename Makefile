@@ -31,27 +31,31 @@ test-vllm: install
 demo: install
 	bash scripts/demo.sh
 
-# The CPU replica of the paper's Figure 2 (docs/sweeps.md, the page docs/fig2_cpu.md): the four
-# settings of Fig. 2 x 3 seeds and the v-sweep (v = 2, 5, 20 beside v1-i1 and v10-i1) from
-# configs/cpu_fig2.yaml, then the objectives replayed on a v10-i1 recording, then the page, its
-# verdicts computed from the runs. A killed replicate continues where it stopped (make replicate).
-FIG2 := --point v1-i1 eval_every=5 --point v1-i1-mask objective.mask_zero_variance=true \
-	--point v10-i1 grpo.v=10 eval_every=10 parity.every=1 log.save_rollouts=true \
+# The CPU replica of the paper's Figure 2 (docs/fig2_design.md; the page docs/fig2_cpu.md): the arms of
+# the pre-set design FIG2_DESIGN x its seeds and the v-sweep (v = 2, 5, 20, descriptive) from
+# configs/cpu_fig2.yaml, then the objectives replayed on a v10-i1 recording, then the page, every
+# verdict computed by the design's tests. The seeds, arms and sweep names here are the design file's
+# (tests/test_fig2_power.py checks it). A killed replicate continues where it stopped (make replicate).
+FIG2_DESIGN := configs/designs/fig2_cpu.yaml
+FIG2_SEEDS := 10,11,12,13,14,15,16,17,18,19
+VSWEEP_SEEDS := 10,11,12
+FIG2 := --point v1-i1 --point v1-i1-b5 grpo.M=5 --point v1-i1-mask objective.mask_zero_variance=true \
+	--point v1-i1-beta0 objective.beta=0 --point v10-i1 grpo.v=10 parity.every=1 log.save_rollouts=true \
 	--point v1-i10 grpo.i=10 grpo.M=5 eval_every=1
-VSWEEP := --point v2 grpo.v=2 eval_every=10 --point v5 grpo.v=5 eval_every=10 --point v20 grpo.v=20 eval_every=20
+VSWEEP := --point v2 grpo.v=2 --point v5 grpo.v=5 --point v20 grpo.v=20 eval_every=20
 OBJECTIVES := --objective grpo --objective "exact: objective.ratio_anchor=exact" \
 	--objective "cispo: objective.loss=cispo objective.aggregation=token_mean objective.eps_low_is=1.0 objective.eps_high_is=0.28" \
 	--objective "tis: objective.is_correction=token_truncate objective.is_cap=2.0"
-SWEEP := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) scripts/sweep.py --config configs/cpu_fig2.yaml --seeds 0,1,2 \
-	--prune-checkpoints
+SWEEP := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) scripts/sweep.py --config configs/cpu_fig2.yaml --prune-checkpoints
+REPLAY_RUN := runs/sweeps/fig2-cpu-2/v10-i1-s10
 replicate: install
 	$(PY) scripts/build_smollm2.py .cache/models/smollm2
-	$(SWEEP) --name fig2-cpu $(FIG2)
-	$(SWEEP) --name fig2-cpu-v $(VSWEEP)
-	test -f runs/sweeps/fig2-cpu/v10-i1-s0/compare/compare.jsonl || $(PY) scripts/compare_objectives.py \
-		--run runs/sweeps/fig2-cpu/v10-i1-s0 --follow $(OBJECTIVES)
-	$(PY) scripts/fig2_report.py --sweep runs/sweeps/fig2-cpu --vsweep runs/sweeps/fig2-cpu-v \
-		--compare runs/sweeps/fig2-cpu/v10-i1-s0/compare --out docs/fig2_cpu.md
+	$(SWEEP) --name fig2-cpu-2 --seeds $(FIG2_SEEDS) $(FIG2)
+	$(SWEEP) --name fig2-cpu-2-v --seeds $(VSWEEP_SEEDS) $(VSWEEP)
+	test -f $(REPLAY_RUN)/compare/compare.jsonl || $(PY) scripts/compare_objectives.py \
+		--run $(REPLAY_RUN) --follow $(OBJECTIVES)
+	$(PY) scripts/fig2_report.py --design $(FIG2_DESIGN) --sweep runs/sweeps/fig2-cpu-2 \
+		--vsweep runs/sweeps/fig2-cpu-2-v --compare $(REPLAY_RUN)/compare --out docs/fig2_cpu.md
 
 bench: install
 	$(PY) bench/rewards.py

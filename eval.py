@@ -15,8 +15,9 @@ Writes to out_dir (default runs/eval/<dataset>-<model>-<time>):
 directory: then its `final/` export is used if it is one, else the newest HF directory (with a
 tokenizer) one or two levels down. The server is the training server (grpo.serving.server), launched
 here, or attached with server.url=http://host:port (eval never pushes weights).
-Bad input (unknown dataset, missing file, no weights, a server that does not start) ends with one
-line `eval.py: error: ...` and exit code 2.
+Bad input (unknown dataset, a data file that does not read, no weights, a server that does not
+start, an attached one that does not answer or refuses the token) ends with one line
+`eval.py: error: ...` and exit code 2.
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ from grpo.evaluation import EvalConfig, evaluate
 from grpo.fsutil import own_temp_dir
 from grpo.layout import LayoutError, plan_layout, visible_gpus
 from grpo.models import ModelPathError, resolve_model_path
-from grpo.rewards import RewardConfig, RewardScorer
-from grpo.serving.client import InferenceServerError
+from grpo.rewards import RewardConfig, RewardError, RewardScorer
+from grpo.serving.client import AttachError, InferenceServerError
 from grpo.serving.fleet import ServerFleet
 from grpo.serving.inference import ServerConfig
 
@@ -143,6 +144,12 @@ def run(cfg: EvalRunConfig) -> dict:
     model_dir = resolve_model_dir(cfg.model)
     problems = load_problems(cfg.data)
     out_dir = Path(cfg.out_dir) if cfg.out_dir else default_out_dir(cfg, model_dir)
+    attached = None
+    if cfg.server.attached:  # it answers and takes the token, before anything is written or started
+        try:
+            attached = ServerFleet.attach(model_dir, cfg.server, out_dir)
+        except AttachError as e:
+            raise EvalError(str(e)) from None
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.yaml")
     tokenizer = load_tokenizer(model_dir)
@@ -158,8 +165,9 @@ def run(cfg: EvalRunConfig) -> dict:
         except LayoutError as e:
             raise EvalError(str(e)) from None
         try:
-            server = ServerFleet.launch(model_dir, cfg.server, out_dir, gpus=layout.replica_gpus or (layout.server_gpu,),
-                                        gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
+            server = attached or ServerFleet.launch(model_dir, cfg.server, out_dir,
+                                                    gpus=layout.replica_gpus or (layout.server_gpu,),
+                                                    gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
         except InferenceServerError as e:
             log = out_dir / "server" / "server.log"
             raise EvalError(f"the inference server did not start: {str(e).splitlines()[0]}"
@@ -215,6 +223,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, EvalError, DataError, FileNotFoundError) as e:
         print(f"eval.py: error: {e}", file=sys.stderr)
         return 2
+    except RewardError as e:  # a reward term failed past reward.max_failed_frac, or left its range: one line
+        print(f"eval.py: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("eval.py: interrupted", file=sys.stderr)
         return 130

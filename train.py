@@ -12,8 +12,11 @@ for stage s < S:                                   (the reference policy is refr
 
 Rank 0 talks to the server and scores; the batch is broadcast and every rank trains on its share
 (FSDP2). `main` at the bottom is the loop; the functions above it are its steps, and `setup`
-builds everything they use. The off-policy instruments (staleness split, parity probe, recording:
-grpo/instruments.py) are called at the loop's points, as the checkpointer is; they measure, never steer.
+builds everything they use. The instruments (the registered per-pass and per-batch statistics, the
+staleness split and parity probe among them, and recording: grpo/instruments.py) are called at the
+loop's points, as the checkpointer is; they measure, never steer. One SGD step reads a `Trainer`
+(the state it needs); `Run` is one with the loop's services around it, and the scripts and tests
+that take the trainer's step make theirs with the same class.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from grpo import metrics, preflight
+from grpo import metrics, preflight, provenance
 from grpo.batching import (MicroBatch, collate, collate_groups, equalize_micro_batches, group_row_length,
                            group_rows, plan_micro_batches)
 from grpo.checkpoint import CheckpointError, Checkpointer, check_shared_directory, export_hf
@@ -40,7 +43,7 @@ from grpo.cpu.bf16 import multiplies_bf16
 from grpo.data import DataError, PromptSampler, build_prompt, load_problems, make_sampler
 from grpo.evaluation import evaluate
 from grpo.fsutil import NoSpaceError, own_temp_dir
-from grpo.instruments import OffPolicyInstruments, StalenessSplit
+from grpo.instruments import Instruments
 from grpo.kernel_dispatch import check_objective_path
 from grpo.layout import LayoutError, overlap_is_free, plan_layout, training_dtype, visible_gpus
 from grpo.metrics import MetricsLogger
@@ -48,19 +51,20 @@ from grpo.models import ModelPathError, load_model, load_tokenizer, resolve_mode
 from grpo.objective import (all_reduce_stats, contributing, finalize_stats, local_denominators, logged_stats,
                             merge_stats, token_weights)
 from grpo.optim import build_optimizer, build_scheduler
-from grpo.parallel import (EXIT_LOST_RANK, DistInfo, all_reduce_max, all_reduce_sum, broadcast_json,
+from grpo.parallel import (EXIT_LOST_RANK, DistInfo, HostStaging, all_reduce_max, all_reduce_sum, broadcast_json,
                            close_distributed, device_memory_bytes, gather_full_state_dict, gradient_sync_plan,
                            init_distributed, launch_env, lost_rank, on_lost_rank, on_main_rank, say, shard_model,
                            stop_watchdog)
 from grpo.policy import ObjectiveInputs, Policy, copy_policy
 from grpo.progress import Progress
-from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer
-from grpo.rewards import RewardScorer
+from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer, weights_fingerprint
+from grpo.rewards import RewardError, RewardScorer
 from grpo.rollout import Rollout, sample_rollout, shard_samples
+from grpo.serving.client import AttachError
 from grpo.serving.fleet import ServerFleet
 from grpo.serving.inference import check_context_fits, serving_dtype
 from grpo.shared_prompt import use_shared_prompt_attention
-from grpo.train_config import TrainConfig
+from grpo.train_config import TrainConfig, eval_reads_training_data
 
 # ------------------------------------------------------------------------------------------------
 # Set-up
@@ -128,30 +132,51 @@ class StopFlag:
 
 
 @dataclass(kw_only=True)
-class Run:
-    """Everything the loop uses. server, scorer, sampler and eval_problems live on rank 0 only."""
+class Trainer:
+    """What one SGD step reads and changes (plan_batch, sgd_iteration, optimizer_step): the config,
+    this rank, the policies, the optimizer and the instruments. `Run` is one, with the loop's services
+    around it; scripts/compare_objectives.py and tests/fsdp_step_worker.py make theirs with this class
+    (one process, no server), so the step they take is the trainer's own, instruments included."""
 
     cfg: TrainConfig
     dist: DistInfo
+    policy: Policy
+    pad_token_id: int
+    ref_policy: Optional[Policy] = None  # None when beta = 0
+    optimizer: Optional[torch.optim.Optimizer] = None  # None: gradients only, never a step (compare_objectives)
+    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
+    # reduce-scatter gradients after every micro-batch (optim.grad_sync); None: planned here for this device
+    sync_every_micro_batch: Optional[bool] = None
+    # the registered instruments, and (in a run) pi_push, the parity probe, recording: grpo/instruments.py;
+    # None: the registered ones alone
+    instruments: Optional[Instruments] = None
+
+    def __post_init__(self):
+        if self.sync_every_micro_batch is None:
+            self.sync_every_micro_batch, _ = gradient_sync_plan(self.cfg.optim.grad_sync, self.policy,
+                                                                device_memory_bytes(self.dist.device))
+        if self.instruments is None:
+            self.instruments = Instruments(self.cfg, self.dist, self.policy)
+
+
+@dataclass(kw_only=True)
+class Run(Trainer):
+    """Everything the loop uses. server, scorer, sampler and eval_problems live on rank 0 only."""
+
     run_dir: Path
     tokenizer: object
-    policy: Policy
-    ref_policy: Optional[Policy]  # None when beta = 0
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
     checkpointer: Checkpointer
     logger: MetricsLogger
     stop: StopFlag
     serve_dtype: torch.dtype  # what pushes and the final export are cast to (the server's dtype)
     shares_gpu_with_server: bool = False  # one GPU for this trainer and the server (grpo.layout)
-    sync_every_micro_batch: bool = False  # reduce-scatter gradients after every micro-batch (optim.grad_sync)
     server: Optional[ServerFleet] = None  # one inference server or several (server.replicas, server.urls)
     scorer: Optional[RewardScorer] = None
     sampler: Optional[PromptSampler] = None
     eval_problems: Optional[list] = None
     sample_ahead: "SampleAhead" = field(default_factory=lambda: SampleAhead())
+    push_staging: HostStaging = field(default_factory=HostStaging)  # the push gather's reused host buffer (rank 0)
     recorded: Optional[RecordedStream] = None  # --replay: the batches a run recorded, in place of the server (rank 0)
-    instruments: OffPolicyInstruments  # staleness split, parity probe, recording (grpo/instruments.py)
 
     def close(self) -> None:
         stop_watchdog()  # ranks that end with this one are not lost
@@ -180,22 +205,28 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
     preflight.check_batch_split(cfg.grpo.batch_prompts, info.world_size)
     torch.manual_seed(cfg.seed + info.rank)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    sampler = eval_problems = None
+    sampler = eval_problems = attached = None
     recorded = made_with = None
-    if info.is_main:  # bad data is refused before anything slow starts
+    run_dir = Path(cfg.log.out_dir) / cfg.log.run_name
+    if info.is_main:  # bad data, and a server that does not answer or refuses the token, before anything slow starts
         if cfg.replay or cfg.log.save_rollouts:
             made_with = model_and_tokenizer(cfg.model.path, tokenizer)
-        if cfg.replay:
+        if cfg.replay:  # every batch checked; those sampled by version 0 were sampled by model.path's weights
             recorded = RecordedStream(cfg.replay)
-            recorded.check(cfg, made_with)
+            recorded.check(cfg, made_with, None if cfg.replay_other_weights else
+                           weights_fingerprint(cfg.model.path))
         sampler = named_input("data", lambda: make_sampler(cfg.data, cfg.grpo.batch_prompts, seed=cfg.seed))
         if cfg.eval_data is not None:
             eval_problems = named_input("eval_data", lambda: load_problems(cfg.eval_data))
+        if eval_reads_training_data(cfg):
+            print(f"[train] {eval_reads_training_data(cfg)}", file=sys.stderr)
         check_prompts_fit(cfg, tokenizer, sampler, eval_problems)
-    run_dir = Path(cfg.log.out_dir) / cfg.log.run_name
+        if cfg.server.attached and not cfg.replay:
+            attached = ServerFleet.attach(cfg.model.path, cfg.server, run_dir)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
+        provenance.record(run_dir)  # this start's code commit (and changes), machine and command line
     checkpointer = Checkpointer(cfg.checkpoint, run_dir)
     try:  # several nodes: every rank writes into the checkpoint directory rank 0 creates
         check_shared_directory(checkpointer.dir)
@@ -214,16 +245,16 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
               f"{objective_path} path", file=sys.stderr)
     ref_policy = build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
     # pi_push, frozen between pushes, for the staleness split of batches sampled before steps were taken
-    pushed_policy = build_policy(cfg, info.device, trainable=False) if OffPolicyInstruments.keeps_push(cfg) else None
+    pushed_policy = build_policy(cfg, info.device, trainable=False) if Instruments.keeps_push(cfg) else None
     optimizer = build_optimizer(policy, cfg.optim)
-    run = Run(cfg=cfg, dist=info, run_dir=run_dir, tokenizer=tokenizer, policy=policy, ref_policy=ref_policy,
-              optimizer=optimizer,
+    run = Run(cfg=cfg, dist=info, run_dir=run_dir, tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id,
+              policy=policy, ref_policy=ref_policy, optimizer=optimizer,
               scheduler=build_scheduler(optimizer, cfg.grpo.S * cfg.grpo.M * cfg.grpo.i, cfg.optim),
               checkpointer=checkpointer, logger=MetricsLogger(cfg.log, run_dir, to_dict(cfg), info.rank, resume),
               stop=StopFlag(), serve_dtype=serving_dtype(cfg.server, cfg.model.path, on_cpu=layout.server_on_cpu),
               sampler=sampler, eval_problems=eval_problems, sample_ahead=SampleAhead(overlap_is_free(layout)),
               shares_gpu_with_server=layout.shares_gpu, recorded=recorded, sync_every_micro_batch=sync_every,
-              instruments=OffPolicyInstruments(cfg, info, run_dir, policy, pushed_policy, tokenizer, made_with))
+              instruments=Instruments(cfg, info, policy, pushed_policy, run_dir, tokenizer, made_with))
     room = checkpointer.room_warning(checkpoint_size(run)) if info.is_main else None
     if room:  # a save writes the new checkpoint before it prunes the oldest
         print(f"[train] warning: {room}", file=sys.stderr)
@@ -249,7 +280,7 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         run.logger.truncate_after(progress.step)
     if info.is_main and not cfg.replay:
         run.scorer = RewardScorer(cfg.reward)
-        run.server = run.instruments.server = ServerFleet.launch(
+        run.server = run.instruments.server = attached or ServerFleet.launch(
             cfg.model.path, cfg.server, run_dir, gpus=layout.replica_gpus or (layout.server_gpu,),
             gpu_memory_utilization=layout.server_memory_fraction, cpu=cfg.cpu)
         on_lost_rank(run.server.stop)  # a rank ending for a lost peer leaves no server behind
@@ -329,7 +360,7 @@ def push_policy(run: Run, progress: Progress) -> tuple[Progress, dict]:
     t0 = time.time()
     if run.cfg.replay:
         return progress.after_push(progress.weights_version + 1, progress.weights_dir), {"bytes": 0.0, "seconds": 0.0}
-    full_state = gather_full_state_dict(run.policy.lm, dtype=run.serve_dtype)  # {} on ranks > 0
+    full_state = gather_full_state_dict(run.policy.lm, dtype=run.serve_dtype, staging=run.push_staging)  # {} on ranks > 0
     if run.shares_gpu_with_server:
         # vLLM's layer-wise reload allocates on the GPU this trainer shares: hand back cached blocks
         torch.cuda.empty_cache()
@@ -353,20 +384,36 @@ def batch_seed(cfg: TrainConfig, stage: int, k: int) -> int:
 def sample_batch(run: Run, progress: Progress, k: int, seed: int) -> Rollout:
     """Rank 0 samples the next prompts, G completions each from alpha, scores them (or takes the
     batch sampled ahead, waiting for it); every rank gets the rollout."""
-    rollout = None
-    if run.dist.is_main and run.recorded is not None:  # --replay: the batch as the recorded run trained on it
-        rollout = run.recorded.rollout(progress.stage, k, run.cfg)
-        rollout.stats["time_wait_generate"] = 0.0
-        rollout = rollout.to_json()
-    elif run.dist.is_main:
+    def sample() -> dict:
+        if run.recorded is not None:  # --replay: the batch as the recorded run trained on it
+            rollout = run.recorded.rollout(progress.stage, k, run.cfg)
+            rollout.stats["time_wait_generate"] = 0.0
+            return rollout.to_json()
         t0 = time.time()
         pending = run.sample_ahead.take(seed)
         rollout = pending.result() if pending else sample_rollout(
             run.server, run.sampler.next_batch(), run.tokenizer, run.cfg, run.scorer, seed,
             expected_version=progress.weights_version, engine_threads=run.sample_ahead.threads_for(run.cfg, k))
         rollout.stats["time_wait_generate"] = time.time() - t0  # what the trainer waited for samples
-        rollout = rollout.to_json()
-    return Rollout.from_json(broadcast_json(rollout))
+        return rollout.to_json()
+
+    return Rollout.from_json(on_main_rank_or_stop(run, sample))
+
+
+def on_main_rank_or_stop(run: Run, work):
+    """work() on rank 0, its JSON result on every rank (collective). A reward term the run cannot
+    trust there (grpo.rewards.RewardError: failures past reward.max_failed_frac, a value outside
+    its range) stops every rank alike, with its one line."""
+    outcome = None
+    if run.dist.is_main:
+        try:
+            outcome = {"result": work()}
+        except RewardError as e:
+            outcome = {"stopped": str(e)}
+    outcome = broadcast_json(outcome)
+    if "stopped" in outcome:
+        raise RunStopped(outcome["stopped"])
+    return outcome["result"]
 
 
 class SampleAhead:
@@ -418,7 +465,7 @@ class SampleAhead:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def plan_batch(run: Run, rollout: Rollout) -> tuple[list[MicroBatch], tuple[int, int], dict]:
+def plan_batch(run: Trainer, rollout: Rollout) -> tuple[list[MicroBatch], tuple[int, int], dict]:
     """This rank's share in micro-batches of <= optim.token_budget padded tokens, as many on every
     rank (at least one), the whole batch's (num_seqs, num_tokens) denominators and the tokens the
     train part runs, real and padded (all summed over ranks).
@@ -429,12 +476,12 @@ def plan_batch(run: Run, rollout: Rollout) -> tuple[list[MicroBatch], tuple[int,
     87-100% of its groups masked)."""
     cfg = run.cfg
     samples = shard_samples(rollout.samples, run.dist.rank, run.dist.world_size)
-    local_batch = collate(samples, run.tokenizer.pad_token_id, torch.device("cpu"))
+    local_batch = collate(samples, run.pad_token_id, torch.device("cpu"))
     seqs, tokens = local_denominators(local_batch.completion_mask, local_batch.seq_weight, cfg.objective,
                                       local_batch.truncated)
     keep = contributing(local_batch.completion_mask, local_batch.seq_weight, cfg.objective, local_batch.truncated)
     contributing_samples = [s for s, k in zip(samples, keep.tolist()) if k]
-    pad, device = run.tokenizer.pad_token_id, run.dist.device
+    pad, device = run.pad_token_id, run.dist.device
     if cfg.optim.share_prompts:  # a row per group: its prompt once, its contributing completions as slots
         rows = group_rows(contributing_samples, cfg.optim.token_budget)
         lengths = [group_row_length(r) for r in rows]
@@ -462,11 +509,10 @@ class BatchCache:
     logp_k: list = field(default_factory=list)  # per micro-batch: pi_k's log-probs (the forward's own)
     logp_ref: list = field(default_factory=list)  # per micro-batch: pi_ref's log-probs (None at beta = 0)
     entropy_sum: Optional[float] = None  # pi_k's entropy summed over the batch's tokens (all ranks)
-    # alpha vs pi_k as engine mismatch + staleness, on the first pass (grpo/instruments.py; the default: none)
-    split: StalenessSplit = field(default_factory=lambda: StalenessSplit(None, None))
+    passes: int = 0  # SGD iterations taken on the batch
 
 
-def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
+def sgd_iteration(run: Trainer, micro_batches: list[MicroBatch], cache: BatchCache,
                   denominators: tuple[int, int]) -> tuple[dict[str, torch.Tensor], float]:
     """One pass over this rank's micro-batches: forward, objective, backward (gradients accumulate).
     Returns the objective's statistics summed over micro-batches and ranks, and pi_k's entropy sum.
@@ -474,10 +520,12 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
     On the first SGD iteration on a batch (an empty `cache`) the parameters are still pi_k, so pi_k's
     log-probs are the forward's own (detached) and are cached for the next i-1 iterations
     (ratio_anchor=exact needs them; approx uses them as PPO's pi_old); pi_ref's log-probs and pi_k's
-    entropy are computed once here too, and so is the staleness split (cache.split).
+    entropy are computed once here too. The registered instruments measure every pass (and the
+    batch's first: the staleness split) from the same tensors (run.instruments).
     """
     cfg, first = run.cfg, cache.entropy_sum is None
     num_seqs, num_tokens = denominators
+    measured = run.instruments.sgd_pass(cache.passes, first)
     totals, entropy_sum = None, torch.zeros((), device=run.dist.device)
     for j, mb in enumerate(micro_batches):
         # FSDP2 reduce-scatters after every backward unless told to wait for the last micro-batch, which
@@ -490,7 +538,7 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
                     logp_ref, _ = run.ref_policy(mb.input_ids, mb.completion_index, mb.completion_tokens,
                                                  position_ids=mb.position_ids, segments=mb.segments)
             cache.logp_ref.append(logp_ref)
-            cache.split.before(mb)  # steps were taken since the push that sampled this batch: its weights score it
+        measured.before(mb)  # steps were taken since the push that sampled this batch: its weights score it
         mask = mb.completion_mask.bool()
         weights = token_weights(mb.completion_mask, mb.seq_weight, cfg.objective, num_seqs=num_seqs,
                                 num_tokens=num_tokens, max_len=cfg.grpo.max_new_tokens, truncated=mb.truncated)[mask]
@@ -505,7 +553,7 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
             cache.logp_k.append(out.logp)
             # over active tokens, like every statistic of the objective (it is divided by their count)
             entropy_sum = entropy_sum + (out.entropy * (weights != 0)).sum()
-            cache.split.after(mb.logp_alpha, out.logp, weights != 0)
+        measured.after(mb, out.logp, logp_old=cache.logp_k[j], active=weights != 0)
         totals = out.stats if totals is None else merge_stats(totals, out.stats)
     if first:
         # pi_ref's no-grad forwards left FSDP2's root gathered (a root does not reshard after forward):
@@ -513,7 +561,8 @@ def sgd_iteration(run: Run, micro_batches: list[MicroBatch], cache: BatchCache,
         if run.ref_policy is not None:
             run.ref_policy.reshard()
         cache.entropy_sum = all_reduce_sum({"entropy": entropy_sum})["entropy"]
-        cache.split.finish()
+    run.instruments.finished(measured)
+    cache.passes += 1
     return all_reduce_stats(totals), cache.entropy_sum
 
 
@@ -521,7 +570,7 @@ class RunStopped(RuntimeError):
     """The run cannot go on; the message says why in one line. Its last checkpoint is where --resume starts."""
 
 
-def optimizer_step(run: Run) -> tuple[float, bool]:
+def optimizer_step(run: Trainer) -> tuple[float, bool]:
     """Clip, then step unless the gradient is not finite (then the step is skipped and counted:
     Progress.nan_skips, nan_streak; the LR schedule still advances)."""
     params = [p for p in run.policy.parameters() if p.grad is not None]
@@ -558,10 +607,14 @@ def eval_due(cfg: TrainConfig, progress: Progress, stage: int, k: int) -> bool:
 
 
 def evaluate_policy(run: Run, progress: Progress) -> None:
-    if run.dist.is_main and run.eval_problems is not None:
-        summary, _ = evaluate(run.server, run.tokenizer, run.eval_problems, run.cfg.eval_data, run.cfg.eval,
-                              run.scorer)
-        run.logger.log(metrics.eval_row(progress.step, summary))
+    """The held-out evaluation on rank 0 (collective: every rank stops alike if a reward term fails it)."""
+    def evaluate_and_log() -> None:
+        if run.eval_problems is not None:
+            summary, _ = evaluate(run.server, run.tokenizer, run.eval_problems, run.cfg.eval_data, run.cfg.eval,
+                                  run.scorer)
+            run.logger.log(metrics.eval_row(progress.step, summary))
+
+    on_main_rank_or_stop(run, evaluate_and_log)
 
 
 def save_checkpoint(run: Run, progress: Progress) -> None:
@@ -625,7 +678,7 @@ def main(argv=None) -> int:
     try:
         cfg, resume = parse_args(argv)
         run, progress = setup(cfg, resume)
-    except (ConfigError, DataError, ModelPathError, LayoutError, ReplayError) as e:  # bad input: one line, exit 2
+    except (ConfigError, DataError, ModelPathError, LayoutError, ReplayError, AttachError) as e:  # bad input: one line, exit 2
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
@@ -651,7 +704,7 @@ def main(argv=None) -> int:
                 micro_batches, denominators, shape = plan_batch(run, rollout)
 
                 # i SGD iterations on this batch (pi_k = the policy before the first of them)
-                cache = BatchCache(split=run.instruments.split)
+                cache = BatchCache()
                 for it in range(cfg.grpo.i):
                     t0 = time.time()
                     stats, entropy_sum = sgd_iteration(run, micro_batches, cache, denominators)

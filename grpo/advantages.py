@@ -72,10 +72,7 @@ def register_advantage(name: str, *, equation: str, paper: str, preset: Optional
     where keep is False."""
 
     def register(fn):
-        if name in ADVANTAGES:
-            raise ValueError(f"advantage {name!r} is already registered")
-        ADVANTAGES[name] = Advantage(name, fn, equation, paper, preset, tuple(knobs))
-        registry.add_knobs()
+        registry.register(ADVANTAGES, name, Advantage(name, fn, equation, paper, preset, tuple(knobs)), "advantage")
         return fn
     return register
 
@@ -89,10 +86,8 @@ def register_step(name: str, *, phase: Literal["select", "weight"], enabled: Cal
         raise ValueError(f"phase: 'select' or 'weight', got {phase!r}")
 
     def register(fn):
-        if name in STEPS:
-            raise ValueError(f"advantage step {name!r} is already registered")
-        STEPS[name] = Step(name, fn, phase, enabled, switch, equation, paper, tuple(knobs))
-        registry.add_knobs()
+        registry.register(STEPS, name, Step(name, fn, phase, enabled, switch, equation, paper, tuple(knobs)),
+                          "advantage step")
         return fn
     return register
 
@@ -102,11 +97,21 @@ def knobs() -> list[Knob]:
     return registry.unique_knobs([*(a.knobs for a in ADVANTAGES.values()), *(s.knobs for s in STEPS.values())])
 
 
+def owners() -> list[registry.Owner]:
+    """The estimators and steps as owners of their knobs: an estimator's knobs have an effect while it
+    is objective.advantage, a step's while it is on (its switch, a knob with selects=True, always)."""
+    return [*(registry.Owner("advantage", a.name, a.knobs, a.fn.__module__,
+                             lambda cfg, name=a.name: cfg.advantage == name, f"objective.advantage: {a.name}")
+              for a in ADVANTAGES.values()),
+            *(registry.Owner("advantage step", s.name, s.knobs, s.fn.__module__, s.enabled, "objective." + s.switch.strip("`"))
+              for s in STEPS.values())]
+
+
 def check_config(cfg) -> None:
-    """The registry's part of ObjectiveConfig.__post_init__: the estimator's name and every knob."""
+    """The registry's part of ObjectiveConfig.__post_init__: the estimator's name (its knobs and the
+    steps' are checked with the section's, grpo.registry.check_section)."""
     if cfg.advantage not in ADVANTAGES:
         raise ValueError(f"advantage: must be one of {sorted(ADVANTAGES)}, got {cfg.advantage!r}")
-    registry.check_knobs(cfg, knobs())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,7 +212,7 @@ def batch_advantages(rewards: Sequence[float], cfg, seed: int) -> tuple[list[flo
 
     adv, seq_weight, stats = group_advantages(torch.tensor(list(rewards), dtype=torch.float64), cfg.grpo.G,
                                               cfg.objective, generator=torch.Generator().manual_seed(seed),
-                                              reward_range=reward_range(cfg.reward))
+                                              reward_range=reward_range(cfg.reward, cfg.grpo.max_new_tokens))
     return adv.tolist(), seq_weight.tolist(), stats
 
 
@@ -279,7 +284,8 @@ def reinforce_pp(r: Tensor, keep: Tensor, cfg) -> Tensor:
 
 RED = Knob("red", "none", Literal["none", "drop", "weight"], "2509.24203 RED. drop: drop random excess negatives of a "
            "group so #neg <= #pos. weight: w_i = exp(A_i / red_tau)",
-           lambda v: None if v in ("none", "drop", "weight") else "must be one of ['none', 'drop', 'weight']")
+           lambda v: None if v in ("none", "drop", "weight") else "must be one of ['none', 'drop', 'weight']",
+           selects=True)
 _RED = "2509.24203 (RED)"
 
 
@@ -302,7 +308,7 @@ def red_drop(r: Tensor, keep: Tensor, cfg, generator: Optional[torch.Generator])
 @register_step("zero_variance_mask", phase="weight", enabled=lambda cfg: cfg.mask_zero_variance,
                switch="`mask_zero_variance: true`", paper="2505.22257 eq. 8 (DAPO's filter, grounded by Theorem 1)",
                knobs=(Knob("mask_zero_variance", False, bool, "eq. 8: a group whose G rewards are all equal gets "
-                           "weight 0 (DAPO's filter, grounded by Theorem 1)"),),
+                           "weight 0 (DAPO's filter, grounded by Theorem 1)", selects=True),),
                equation="weight_i = 0 for every sample of a group whose G rewards are all equal")
 def zero_variance_mask(r: Tensor, adv: Tensor, weight: Tensor, cfg) -> Tensor:
     zero_var = r.max(dim=1).values == r.min(dim=1).values
@@ -345,11 +351,6 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":
-    import importlib
     import sys
 
-    module = importlib.import_module("grpo.advantages")  # the registry, not this file run again as __main__
-    if sys.argv[1:2] == ["--write"]:
-        registry.write_block(sys.argv[2], module.DOCS_BEGIN, module.DOCS_END, module.markdown())
-    else:
-        print(module.markdown(), end="")
+    sys.exit(registry.docs_main("grpo.advantages"))  # [--write FILE] [--plugins P ...] [--config C]

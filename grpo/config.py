@@ -181,6 +181,18 @@ def _deep_merge(base: dict, child: dict) -> dict:
     return out
 
 
+def unshared(value: Any) -> Any:
+    """A copy of a YAML tree in which no two places hold the same dict or list. PyYAML hands back
+    one object for an anchor and each of its aliases (`eval_data: *data`), so an override of one
+    section (`data.dataset=...`, applied in place) rewrote the other too. copy.deepcopy keeps such
+    sharing (its memo), so the tree is rebuilt node by node: every section its own value."""
+    if isinstance(value, dict):
+        return {key: unshared(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [unshared(item) for item in value]
+    return value
+
+
 def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
     """A config file as a dict; `base: other.yaml` (relative to the file; or a list of files, merged
     in order) is read first and the file's own keys override it, section by section, so experiment
@@ -199,6 +211,7 @@ def read_yaml(path: str | Path, _seen: tuple = ()) -> dict:
         loaded = {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{source}: top level must be a mapping of sections")
+    loaded = unshared(loaded)
     base = loaded.pop("base", None)
     if base is not None:
         bases = [base] if isinstance(base, str) else base
@@ -229,17 +242,19 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
 
 
 def import_plugins(names: Any, source: str) -> None:
-    """Import the modules a config's `plugins:` names; a bad one is one line naming it."""
-    from grpo.registry import import_plugin
+    """Import the modules a config's `plugins:` names; a bad one is one line naming it: one that is not
+    there, and whatever a module raises while it is imported (its own ValueError, a registration
+    the registry refused: a name taken, a knob that collides), with the file or module it came from."""
+    from grpo.registry import PluginNotFound, import_plugin
 
     names = _coerce(names, list[str], "plugins", source)
     for name in names:
         try:
             import_plugin(name)
-        except ValueError as e:
+        except PluginNotFound as e:
             raise ConfigError(f"{source}: {e}") from None
         except Exception as e:  # the user's module failed while importing: its own error, in one line
-            raise ConfigError(f"{source}: plugins: {name}: {type(e).__name__}: {e}") from None
+            raise ConfigError(f"{source}: plugins: {name}: {type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 def to_dict(cfg: Any) -> dict:

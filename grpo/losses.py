@@ -146,11 +146,9 @@ def register_loss(name: str, *, per: str = "token", equation: str, paper: str, p
         raise ValueError(f"per: 'token' or 'sequence', got {per!r}")
 
     def register(fn):
-        if name in LOSSES:
-            raise ValueError(f"loss {name!r} is already registered")
-        LOSSES[name] = Loss(name, fn, per, equation, paper, preset, tuple(knobs), check, anchored,
-                            corrections, clips)
-        registry.add_knobs()  # its knobs become fields of ObjectiveConfig, also when registered late
+        # its knobs become fields of ObjectiveConfig, also when registered late; a colliding one is refused
+        registry.register(LOSSES, name, Loss(name, fn, per, equation, paper, preset, tuple(knobs), check, anchored,
+                                             corrections, clips), "loss")
         return fn
     return register
 
@@ -162,9 +160,7 @@ def register_correction(name: str, *, level: str, equation: str, paper: str, pre
         raise ValueError(f"level: none, token, sequence or geometric, got {level!r}")
 
     def register(fn):
-        if name in CORRECTIONS:
-            raise ValueError(f"correction {name!r} is already registered")
-        CORRECTIONS[name] = Correction(name, fn, level, equation, paper, preset, check)
+        registry.register(CORRECTIONS, name, Correction(name, fn, level, equation, paper, preset, check), "correction")
         return fn
     return register
 
@@ -172,6 +168,13 @@ def register_correction(name: str, *, level: str, equation: str, paper: str, pre
 def knobs() -> list[Knob]:
     """Every knob of the registered losses, once each, in registration order."""
     return registry.unique_knobs(loss.knobs for loss in LOSSES.values())
+
+
+def owners() -> list[registry.Owner]:
+    """The losses as owners of their knobs: a loss's knobs have an effect only while it is objective.loss."""
+    return [registry.Owner("loss", loss.name, loss.knobs, loss.fn.__module__,
+                           lambda cfg, name=loss.name: cfg.loss == name, f"objective.loss: {loss.name}")
+            for loss in LOSSES.values()]
 
 
 def correction_name(cfg) -> str:
@@ -189,20 +192,23 @@ def needs_sequences(cfg) -> bool:
 
 
 def check_config(cfg) -> None:
-    """The registry's part of ObjectiveConfig.__post_init__: names, knobs, the selected loss's and
-    correction's own checks. Raises ValueError("<field>: why")."""
+    """The registry's part of ObjectiveConfig.__post_init__: names, the section's knobs (each knob's
+    check, and none set without its owner selected: grpo.registry.check_section), the selected
+    loss's and correction's own checks (a user's names its file). Raises ValueError("<field>: why")."""
     if cfg.loss not in LOSSES:
         raise ValueError(f"loss: must be one of {sorted(LOSSES)}, got {cfg.loss!r}")
     if cfg.is_correction is not None and cfg.is_correction not in CORRECTIONS:
         raise ValueError(f"is_correction: must be one of {sorted(CORRECTIONS)} or null, got {cfg.is_correction!r}")
-    registry.check_knobs(cfg, knobs())
+    registry.check_section(cfg)
     loss, name = LOSSES[cfg.loss], correction_name(cfg)
     if loss.check:
-        loss.check(cfg)
+        with registry.blame("loss", loss.name, loss.fn.__module__):
+            loss.check(cfg)
     if loss.corrections is not None and name not in loss.corrections:
         raise ValueError(f"is_correction: loss {cfg.loss} takes {list(loss.corrections)}, got {name!r}")
     if CORRECTIONS[name].check:
-        CORRECTIONS[name].check(cfg)
+        with registry.blame("correction", name, CORRECTIONS[name].fn.__module__):
+            CORRECTIONS[name].check(cfg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -553,11 +559,6 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":
-    import importlib
     import sys
 
-    module = importlib.import_module("grpo.losses")  # the registry, not this file run a second time as __main__
-    if sys.argv[1:2] == ["--write"]:
-        registry.write_block(sys.argv[2], module.DOCS_BEGIN, module.DOCS_END, module.markdown())
-    else:
-        print(module.markdown(), end="")
+    sys.exit(registry.docs_main("grpo.losses"))  # [--write FILE] [--plugins P ...] [--config C]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from grpo import registry
 from grpo.progress import alpha_lag
 
 METRICS_FILE = "metrics.jsonl"
@@ -67,7 +68,8 @@ def declare(name: str, section: str, meaning: str, *, module: Optional[str] = No
     metric = Metric(name, section, meaning, module)
     known = DECLARED.get(name)
     if known is not None and (known.section, known.meaning) != (section, meaning):
-        raise ValueError(f"metric {name} is already declared in {known.module} ({known.section}: {known.meaning})")
+        raise ValueError(f"metric {name} of {registry.origin(module)} is already declared in "
+                         f"{registry.origin(known.module)} ({known.section}: {known.meaning})")
     DECLARED.setdefault(name, metric)
     return name
 
@@ -488,7 +490,7 @@ def markdown() -> str:
         title = f"{section}/" if section else "top level"
         lines += [f"**{title}: {about}.**", "", "| key | meaning | computed in |", "| --- | --- | --- |"]
         for m in rows:
-            lines.append(f"| `{m.name}` | {m.meaning.replace('|', chr(92) + '|')} | `{m.module}` |")
+            lines.append(f"| `{m.name}` | {m.meaning.replace('|', chr(92) + '|')} | `{registry.origin(m.module)}` |")
         lines.append("")
     return "\n".join(lines)
 
@@ -503,13 +505,5 @@ def load_declarations() -> None:
 
 
 if __name__ == "__main__":
-    import importlib
-
-    from grpo import registry
-
-    load_declarations()
-    module = importlib.import_module("grpo.metrics")  # the declarations, not this file run again as __main__
-    if sys.argv[1:2] == ["--write"]:
-        registry.write_block(sys.argv[2], module.DOCS_BEGIN, module.DOCS_END, module.markdown())
-    else:
-        print(module.markdown(), end="")
+    # [--write FILE] [--plugins P ...] [--config C]: a user's declarations (their plugins) included
+    sys.exit(registry.docs_main("grpo.metrics", load=load_declarations))

@@ -42,7 +42,7 @@ from kernels.contract import (DIAGNOSTIC_KEYS, EXTREME_KEYS, SEQUENCE_KEYS, SQ_K
 
 
 @dataclass
-@registry.with_knobs(lambda: losses.knobs() + advantages.knobs())  # + every registered knob: gspo_eps_low, adv_eps, red...
+@registry.with_knobs(lambda: losses.owners() + advantages.owners())  # + every registered knob: gspo_eps_low, adv_eps, red...
 class ObjectiveConfig:
     """The `objective:` section of the config. Each option names the equation it implements."""
 
@@ -100,10 +100,11 @@ class ObjectiveConfig:
             raise ValueError(f"beta: must be >= 0, got {self.beta}")
         if self.max_len_norm is not None and self.max_len_norm < 1:
             raise ValueError(f"max_len_norm: must be >= 1 or null, got {self.max_len_norm}")
-        # The loss and correction names, their knobs and their own checks (the ring margins, is_cap
-        # for a correction, ...), and the advantage's: the registries'.
-        losses.check_config(self)
+        # The advantage's, loss's and correction's names, every knob (its check, and none set while its
+        # owner is not selected), the loss's and correction's own checks (the ring margins, is_cap for a
+        # correction, ...): the registries'.
         advantages.check_config(self)
+        losses.check_config(self)
 
     @property
     def correction(self) -> str:

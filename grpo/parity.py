@@ -122,7 +122,7 @@ class ParityProbe:
         return cls.from_json(json.loads(path.read_text())) if path.is_file() else None
 
 
-PARITY_KEYS = metrics.declare_many("bound", {
+MEANINGS = {
     "parity_tokens": "the parity probe's scored tokens: on the first step after each push (and the first of the run) "
                      "the engine and the trainer score the same tokens with the same weights "
                      "([offpolicy.md](offpolicy.md))",
@@ -132,13 +132,28 @@ PARITY_KEYS = metrics.declare_many("bound", {
     "parity_kl": "mean of w - 1 - log w, w = pi_trainer / pi_engine (the k3 term of kl_mismatch on the probe)",
     "parity_tv": "mean of |w - 1| / 2",
     "parity_frac_over": "fraction of probe tokens with |d log p| > `parity.threshold`",
-})
+}
+PARITY_KEYS = tuple(MEANINGS)
+REDUCE = {"parity_tokens": "sum", "parity_max_abs": "max"}  # the others: means
 metrics.declare("time_parity", "time", "the parity probe after a push, both sides ([offpolicy.md](offpolicy.md))")
+
+
+def parity_terms(x) -> dict[str, torch.Tensor]:
+    """The instrument (grpo.instruments.Tokens of the probe: logp the trainer's, logp_alpha the
+    engine's, cfg the `parity:` section): per probe token, NaN where a term is not defined (a token
+    the engine's top-k/top-p filter left out has no d), so the registry's means skip it."""
+    filtered = torch.isneginf(x.logp_alpha)
+    d = torch.where(filtered, torch.nan, x.logp.double() - x.logp_alpha.double())
+    w = torch.exp(d)
+    return {"parity_tokens": torch.ones_like(d), "parity_filtered_frac": filtered.double(),
+            "parity_max_abs": d.abs(), "parity_mean_abs": d.abs(), "parity_kl": w - 1.0 - d,
+            "parity_tv": 0.5 * (w - 1.0).abs(),
+            "parity_frac_over": torch.where(filtered, torch.nan, (d.abs() > x.cfg.threshold).double())}
 
 
 def parity_stats(engine: list[list[float]], trainer: list[list[float]], threshold: float) -> dict[str, float]:
     """The probe's numbers from the engine's and the trainer's log-probs of the same tokens (lists
-    per sequence). Over the N probe tokens:
+    per sequence): the registered instrument `parity` (`parity_terms`) over the N probe tokens:
       parity_tokens                     N
       parity_filtered_frac              fraction the engine's top-k/top-p filter leaves out under the
                                         served weights (log-prob -inf; the trainer has no such filter):
@@ -151,23 +166,12 @@ def parity_stats(engine: list[list[float]], trainer: list[list[float]], threshol
       parity_tv                         mean of |w - 1| / 2
       parity_frac_over                  fraction of tokens with |d| > threshold
     (missing when the engine filtered every token)."""
+    from grpo.instruments import probe_stats
+
     if [len(e) for e in engine] != [len(t) for t in trainer]:
         raise ValueError(f"parity: engine scored {[len(e) for e in engine]} tokens per sequence, "
                          f"the trainer {[len(t) for t in trainer]}")
-    e = torch.tensor([x for seq in engine for x in seq], dtype=torch.float64)
-    t = torch.tensor([x for seq in trainer for x in seq], dtype=torch.float64)
-    stats = {"parity_tokens": float(e.numel())}
-    if e.numel() == 0:
-        return stats
-    filtered = torch.isneginf(e)
-    stats["parity_filtered_frac"] = float(filtered.double().mean())
-    if bool(filtered.all()):
-        return stats
-    d = (t - e)[~filtered]
-    w = torch.exp(d)
-    return {**stats, "parity_max_abs": float(d.abs().max()), "parity_mean_abs": float(d.abs().mean()),
-            "parity_kl": float((w - 1.0 - d).mean()), "parity_tv": float((0.5 * (w - 1.0).abs()).mean()),
-            "parity_frac_over": float((d.abs() > threshold).double().mean())}
+    return probe_stats(engine, trainer, ParityConfig(threshold=threshold))
 
 
 @torch.no_grad()

@@ -261,11 +261,14 @@ def _plan(cfg, args) -> tuple[int, str]:
 
 def _replay(recorded_stream, cfg, model_dir: str, tokenizer) -> str:
     """The checks a replay makes before its first step (grpo.recording.RecordedStream.check)."""
-    from grpo.recording import model_and_tokenizer
+    from grpo.recording import model_and_tokenizer, weights_fingerprint
 
-    recorded_stream(cfg.replay).check(cfg, model_and_tokenizer(model_dir, tokenizer))
+    starts_from = None if cfg.replay_other_weights else weights_fingerprint(model_dir)
+    recorded_stream(cfg.replay).check(cfg, model_and_tokenizer(model_dir, tokenizer), starts_from)
+    weights = ("its version-0 batches sampled by model.path's weights" if starts_from is not None else
+               "the weights that sampled it not checked (replay_other_weights)")
     return (f"{cfg.replay} holds every batch of S={cfg.grpo.S} x M={cfg.grpo.M}, made with this model and "
-            f"tokenizer, each readable and whole")
+            f"tokenizer, {weights}, each readable and whole")
 
 
 def longest_prompt(tokenizer, problems: list, data: DataConfig) -> int:

@@ -8,7 +8,10 @@ float32 the trainer computes with), reward, correctness, advantage, eq. 8 / RED 
 batch's stage, iteration, seed and weights version (the columns are SCHEMA; docs/offpolicy.md).
 Any dataframe library reads the files one by one or the directory as one dataset. Each file's
 schema metadata says what its numbers mean: the format, the model they were made with (its
-config.json) and the tokenizer's vocabulary (a sha256 of its token -> id map): `model_and_tokenizer`.
+config.json) and the tokenizer's vocabulary (a sha256 of its token -> id map): `model_and_tokenizer`;
+and the fingerprint of the weights that sampled it (`sampled_by`: per tensor, grpo/serving/
+fingerprint.py's moments of the weights version as served), which a replay checks against the
+weights it starts from (version 0: the model directory; `RecordedStream.check`).
 
 Crash safety: a batch is written under a temporary name starting with '.' (which pyarrow's and
 polars' directory readers skip, and which `read_rollouts` never matches), fsynced and renamed into
@@ -25,6 +28,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Optional
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -34,8 +38,9 @@ from grpo.fsutil import fsync_dir, fsync_file, no_space, preallocate
 
 ROLLOUTS_DIR = "rollouts"
 # In each file's schema metadata; bumped when a column changes meaning or the metadata what it
-# holds (2: the model and tokenizer the batch was made with).
-FORMAT = "grpo-rollouts/2"
+# holds (2: the model and tokenizer the batch was made with; 3: the weights that sampled it).
+FORMAT = "grpo-rollouts/3"
+UNWEIGHED = "grpo-rollouts/2"  # replayed only where the weights are not checked (replay_other_weights)
 # config.json keys that do not change what the model computes for a token id
 _NOT_THE_MODEL = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")
 _BATCH_FILE = re.compile(r"^batch-s(\d+)-k(\d+)\.parquet$")
@@ -73,6 +78,63 @@ def model_and_tokenizer(model_dir: str | os.PathLike, tokenizer) -> dict[str, st
     return {"model": json.dumps(model, separators=(",", ":")), "tokenizer": hashlib.sha256(vocab.encode()).hexdigest()}
 
 
+def weights_fingerprint(weights_dir: str | os.PathLike) -> dict[str, list]:
+    """{tensor name: [numel, sum, sum of squares]} of the weights in a directory (its *.safetensors,
+    else *.bin): a model directory, or a push's weights directory. The moments are those the server's
+    push check uses (grpo.serving.fingerprint.tensor_moments), of the values as stored, so the same
+    weights in another file layout or a wider dtype give the same numbers; the lm_head its
+    config.json ties to the embedding is left out, as a push leaves it out."""
+    import torch
+    from safetensors import safe_open
+
+    from grpo.models import LM_HEAD_KEY, ties_word_embeddings
+    from grpo.serving.fingerprint import tensor_moments
+
+    config_path = Path(weights_dir) / "config.json"
+    tied = ties_word_embeddings(json.loads(config_path.read_text()) if config_path.is_file() else {})
+    moments: dict[str, list] = {}
+    index = Path(weights_dir) / "model.safetensors.index.json"  # a sharded model: its shards, not stray files
+    files = sorted({Path(weights_dir) / f for f in json.loads(index.read_text())["weight_map"].values()}
+                   if index.is_file() else Path(weights_dir).glob("*.safetensors"))
+    for file in files:  # a tensor at a time: a large model is never in memory whole
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                if not (tied and name == LM_HEAD_KEY):
+                    moments[name] = list(tensor_moments(f.get_tensor(name)))
+    for file in [] if files else sorted(Path(weights_dir).glob("*.bin")):
+        for name, tensor in torch.load(file, map_location="cpu", weights_only=True, mmap=True).items():
+            if not (tied and name == LM_HEAD_KEY):
+                moments[name] = list(tensor_moments(tensor))
+    if not moments:
+        raise ReplayError(f"{weights_dir}: no weights (*.safetensors or *.bin) to fingerprint")
+    return dict(sorted(moments.items()))
+
+
+def sampled_by(version: int, fingerprint: dict[str, list]) -> dict[str, str]:
+    """A batch's metadata entry for the weights version that sampled it (merged into `made_with`)."""
+    return {"weights": json.dumps({"version": version, "moments": fingerprint}, separators=(",", ":"))}
+
+
+def recorded_weights(path: str | os.PathLike) -> dict[str, str]:
+    """The `sampled_by` entry of a recorded batch ({} when it has none: format grpo-rollouts/2)."""
+    meta = pq.read_schema(path).metadata or {}
+    return {"weights": meta[b"weights"].decode()} if b"weights" in meta else {}
+
+
+def weights_differ(recorded: dict[str, list], ours: dict[str, list], limit: int = 3) -> list[str]:
+    """The tensors whose moments differ between two weights_fingerprint results by more than a
+    summation order explains (grpo.serving.fingerprint.moment_tolerances), or that one lacks."""
+    from grpo.serving.fingerprint import moment_tolerances
+
+    bad = sorted(set(recorded) ^ set(ours))
+    for name in sorted(set(recorded) & set(ours)):
+        (n_r, s_r, q_r), (n_o, s_o, q_o) = recorded[name], ours[name]
+        tol_s, tol_q = moment_tolerances(int(n_o), s_o, q_o)
+        if n_r != n_o or abs(s_r - s_o) > tol_s or abs(q_r - q_o) > tol_q:
+            bad.append(name)
+    return bad[:limit] + ([f"{len(bad) - limit} more"] if len(bad) > limit else [])
+
+
 def batch_path(run_dir: str | os.PathLike, stage: int, iteration: int) -> Path:
     """Where batch (stage, iteration) is recorded; the names sort in training order."""
     return Path(run_dir) / ROLLOUTS_DIR / f"batch-s{stage:04d}-k{iteration:06d}.parquet"
@@ -80,7 +142,7 @@ def batch_path(run_dir: str | os.PathLike, stage: int, iteration: int) -> Path:
 
 def batch_table(stage: int, iteration: int, seed: int, rollout, made_with: dict[str, str]) -> pa.Table:
     """A grpo.rollout.Rollout as a table of SCHEMA, a row per sequence in the batch's order, its
-    metadata saying what it was made with (`model_and_tokenizer`)."""
+    metadata saying what it was made with (`model_and_tokenizer`, and `sampled_by` its weights)."""
     samples = rollout.samples
     n = len(samples)
     columns = {
@@ -99,7 +161,7 @@ def record_batch(run_dir: str | os.PathLike, stage: int, iteration: int, seed: i
                  made_with: dict[str, str]) -> Path:
     """Write batch (stage, iteration) atomically and durably (rank 0, before training on it); drop
     what an earlier attempt of the run recorded past it. `made_with`: the model and tokenizer it was
-    made with (`model_and_tokenizer`). Returns the file. A full disk raises grpo.fsutil.NoSpaceError
+    made with (`model_and_tokenizer`) and the weights that sampled it (`sampled_by`). Returns the file. A full disk raises grpo.fsutil.NoSpaceError
     and leaves the directory as it was."""
     path = batch_path(run_dir, stage, iteration)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -165,25 +227,28 @@ class RecordedStream:
         if not self.files:
             raise ReplayError(f"--replay {run_dir}: {directory} holds no recorded batch")
 
-    def check(self, cfg, made_with: dict[str, str]) -> None:
+    def check(self, cfg, made_with: dict[str, str], starts_from: Optional[dict[str, list]]) -> None:
         """Refuse, before the first step, a stream that cannot stand in for the sampler under `cfg`
         (a TrainConfig): a batch of the schedule missing, or one whose file is not a readable
         recording of this format, was made with another model or tokenizer (`made_with`: this
-        run's, from `model_and_tokenizer`), has a column missing, of another type or with nulls,
-        log-probs that are not one finite number per completion token, a token id outside the
-        model's vocabulary, non-finite rewards, or another batch shape than grpo.batch_prompts x
+        run's, from `model_and_tokenizer`), was sampled from the model directory (version 0) by
+        other weights than `starts_from` (weights_fingerprint of model.path, the replay's pi_theta_0;
+        None: not checked, replay_other_weights), has a column missing, of another type or with
+        nulls, log-probs that are not one finite number per completion token, a token id outside
+        the model's vocabulary, non-finite rewards, or another batch shape than grpo.batch_prompts x
         grpo.G. Raises ReplayError naming the file (and row)."""
         self.check_covers(cfg.grpo.S, cfg.grpo.M)
-        self.check_batches([(s, k) for s in range(cfg.grpo.S) for k in range(cfg.grpo.M)], cfg, made_with)
+        self.check_batches([(s, k) for s in range(cfg.grpo.S) for k in range(cfg.grpo.M)], cfg, made_with,
+                           starts_from)
 
-    def check_batches(self, keys, cfg, made_with: dict[str, str]) -> None:
+    def check_batches(self, keys, cfg, made_with: dict[str, str], starts_from: Optional[dict[str, list]]) -> None:
         """`check` of the recorded batches `keys` ((stage, iteration) pairs) alone."""
         config = json.loads(made_with["model"])
         vocab_size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 2**31
         for key in keys:
             path = self.files[key]
             try:
-                check_batch(path, key, cfg.grpo.batch_prompts, cfg.grpo.G, made_with, vocab_size)
+                check_batch(path, key, cfg.grpo.batch_prompts, cfg.grpo.G, made_with, vocab_size, starts_from)
             except ReplayError as e:
                 raise ReplayError(f"--replay {self.run_dir}: {path.name}: {e}") from None
 
@@ -216,17 +281,21 @@ class RecordedStream:
 
 
 def check_batch(path: Path, key: tuple[int, int], batch_prompts: int, G: int, made_with: dict[str, str],
-                vocab_size: int) -> None:
-    """One recorded file against the format, the model and tokenizer of `made_with`, SCHEMA, the
-    batch shape, the vocabulary and finiteness (RecordedStream.check). Raises ReplayError saying
-    what (and which row), without the file's name."""
+                vocab_size: int, starts_from: Optional[dict[str, list]]) -> None:
+    """One recorded file against the format, the model and tokenizer of `made_with`, the weights
+    `starts_from` (when sampled by version 0), SCHEMA, the batch shape, the vocabulary and
+    finiteness (RecordedStream.check). Raises ReplayError saying what (and which row), without the
+    file's name."""
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
         raise ReplayError(f"not a readable Parquet file ({' '.join(str(e).split())})") from None
     meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
     found = meta.get("format")
-    if found != FORMAT:
+    if found == UNWEIGHED and starts_from is not None:
+        raise ReplayError(f"format {found}, which does not record the weights that sampled it, so they cannot be "
+                          f"checked against model.path's; replay_other_weights=true replays it without that check")
+    if found != FORMAT and found != UNWEIGHED:
         why = ("no format in its metadata (not written by log.save_rollouts)" if found is None else
                f"format {found}, which does not record the model and tokenizer it was made with"
                if found == "grpo-rollouts/1" else f"unknown format {found}")
@@ -281,6 +350,23 @@ def check_batch(path: Path, key: tuple[int, int], batch_prompts: int, G: int, ma
         raise ReplayError(f"row {_row_of(col['logp_alpha'], at)}: logp_alpha holds {logps[at]}, not a finite log-prob")
     if (row := _first(pc.invert(pc.is_finite(col["reward"])))) >= 0:
         raise ReplayError(f"row {row}: reward is {col['reward'][row]}, not a finite number")
+    if starts_from is not None and pc.max(col["weights_version"]).as_py() == 0:
+        _check_starting_weights(meta.get("weights"), starts_from)
+
+
+def _check_starting_weights(recorded: Optional[str], starts_from: dict[str, list]) -> None:
+    """A batch sampled from the recording run's model directory (version 0) was sampled by the
+    weights the replay starts from: else its log-probs of alpha are another model's, and every
+    ratio pi_theta / alpha with them (nothing else would show it but kl_pik_alpha far from 0)."""
+    weights = json.loads(recorded) if recorded else None
+    if not isinstance(weights, dict) or weights.get("version") != 0 or not isinstance(weights.get("moments"), dict):
+        raise ReplayError("its metadata holds no fingerprint of the weights (version 0) that sampled it; "
+                          "replay_other_weights=true replays it without that check")
+    differ = weights_differ(weights["moments"], starts_from)
+    if differ:
+        raise ReplayError(f"sampled by other weights than model.path's, which the replay starts from ({', '.join(differ)} "
+                          f"differ): a model of the same config but other values (another seed, a fine-tune); "
+                          f"replay_other_weights=true replays it on these weights anyway")
 
 
 def _first(mask: pa.Array) -> int:

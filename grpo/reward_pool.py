@@ -12,8 +12,10 @@ workers=0 runs the tasks in this process instead, each bounded by a SIGALRM time
 only): for tests and benchmarks.
 
 A task is (term name, completion); a result is (value or None, status, answer): status "ok",
-"no_answer", "error: ...", "timeout" or "worker died ..."; answer is what the term extracted (the
-correctness term: the last \\boxed{} content), or None.
+"no_answer", "error: ..." (the term's own report), "timeout", or "failed: ..." (the term raised,
+returned NaN or inf, or its worker died: the same in a worker and in the trainer's process,
+`run_term`); answer is what the term extracted (the correctness term: the last \\boxed{} content),
+or None. A result without a value scores the term's minimum (grpo/rewards.py counts failures).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ PIPELINE_DEPTH = 2  # tasks queued per worker, so it starts the next one without
 PIPELINE_MAX_CHARS = 16_000  # larger tasks go only to idle workers (socket buffer ~200 KB)
 
 Result = tuple[Optional[float], str, Optional[str]]
+FAILED = "failed"  # the status of a task the term did not score: it raised, returned NaN/inf, or its worker died
 
 
 def load_terms(sources: dict[str, tuple[str, str, str]]) -> dict:
@@ -53,15 +56,19 @@ def load_terms(sources: dict[str, tuple[str, str, str]]) -> dict:
 
 
 def run_term(fn, completion, cfg) -> Result:
-    """One task, as a worker and the in-process path run it: the term's value, status, answer (a
-    term returns a number, or an object with value, status and answer: grpo.rewards.Scored)."""
+    """One task, as a worker and the trainer's process run it: the term's value, status, answer (a
+    term returns a number, or an object with value, status and answer: grpo.rewards.Scored). A term
+    that raises, returns NaN or inf, or returns no number failed on this completion: no value,
+    status "failed: why" (scored as its minimum and counted by the caller)."""
     try:
         out = fn(completion, cfg)
+        value, status, answer = (out.value, out.status, out.answer) if hasattr(out, "status") else (out, "ok", None)
+        value = float(value)
     except Exception as e:  # a broken term on one completion: counted, scored as its minimum
-        return None, f"error: {type(e).__name__}: {e}"[:200], None
-    if hasattr(out, "status"):
-        return float(out.value), out.status, out.answer
-    return float(out), "ok", None
+        return None, f"{FAILED}: {type(e).__name__}: {e}"[:200], None
+    if not math.isfinite(value):
+        return None, f"{FAILED}: returned {value}", answer
+    return value, status, answer
 
 
 def _worker_main(fd: int, sources: dict[str, tuple[str, str, str]], setups: list[tuple[str, str, str]],
@@ -228,7 +235,7 @@ class WorkerPool:
                     try:
                         worker.conn.send((key, name, completion))
                     except OSError:  # it died: replace it; the task stays pending
-                        retire(i, f"worker died (exit code {worker.process.poll()})")
+                        retire(i, f"{FAILED}: worker died (exit code {worker.process.poll()})")
                         break
                     pending.popleft()
                     if not worker.queue:
@@ -247,7 +254,7 @@ class WorkerPool:
                         worker.kill()
                         raise RuntimeError(f"reward worker exited during start-up "
                                            f"(exit code {worker.process.returncode})") from None
-                    retire(i, f"worker died (exit code {worker.process.poll()})")
+                    retire(i, f"{FAILED}: worker died (exit code {worker.process.poll()})")
                     continue
                 if message == "ready":
                     worker.ready = True

@@ -95,7 +95,7 @@ def sample_rollout(server, problems, tokenizer, cfg, scorer, seed: int, expected
                weights_version=result.weights_version)
         for j, (c, s) in enumerate(zip(completions, scored))
     ]
-    stats = {**adv_stats, **batch_stats(samples), **reward_info["term_means"],
+    stats = {**adv_stats, **batch_stats(samples), **reward_info["term_means"], **reward_info["failed"],
              "reward_timeouts": float(reward_info["timeouts"]), "time_generate": t_generate, "time_reward": t_reward,
              "engine": {key: float(value) for key, value in result.engine.items()}}
     table = [{"prompt": problems[s.group].prompt, "completion": c.text, "reward": s.reward,

@@ -19,48 +19,41 @@ On policy (the batch's first optimizer step is the step of its push: v = 1, or t
 a v-window, no sample-ahead lag) pi_push is pi_k itself: the trainer passes the same log-probs, so
 both staleness terms are exactly 0 and the mismatch terms equal tv_pik_alpha and kl_pik_alpha.
 Otherwise the trainer scores the batch with a frozen copy of the weights it pushed
-(grpo/instruments.py; log.split_staleness). The triangle inequality bounds the total, token by token:
+(grpo/instruments.py; log.split_staleness). The split is a registered instrument (`split_terms`,
+per batch: grpo/instruments.py reduces its per-token terms over the active tokens of every
+micro-batch and rank). The triangle inequality bounds the total, token by token:
 tv_pik_alpha <= tv_mismatch + tv_staleness. The KL parts are not additive. With top-p < 1 every
 estimate here, like tv_pik_alpha, covers alpha's nucleus only (alpha never samples outside it).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from grpo import metrics
-
-SPLIT_KEYS = metrics.declare_many("bound", {
+MEANINGS = {
     "tv_mismatch": "the part of alpha vs pi_k that is engine mismatch: `tv_pik_alpha` with pi_push (the trainer's "
                    "policy at the push that sampled the batch) in pi_k's place ([offpolicy.md](offpolicy.md))",
     "kl_mismatch": "the same for `kl_pik_alpha`: KL(alpha || pi_push), k3",
     "tv_staleness": "the part that is staleness: TV(pi_k, pi_push) on alpha's tokens; exactly 0 on policy",
     "kl_staleness": "KL(pi_push || pi_k) on alpha's tokens, importance-weighted; exactly 0 on policy",
-})
+}
+SPLIT_KEYS = tuple(MEANINGS)
 
 
-def split_sums(logp_alpha: Tensor, logp_push: Tensor, logp_k: Tensor, active: Tensor) -> dict[str, Tensor]:
-    """Sums over active tokens of the four per-token terms (flat [N] tensors, fp32 or wider) and
-    their count, to add over micro-batches and ranks before `split_means`."""
+def split_terms(x) -> dict[str, Tensor]:
+    """The instrument (grpo.instruments.Tokens of a batch's first pass, with pi_push's log-probs):
+    the four per-token terms, in float64; the registry averages them over the active tokens."""
+    return token_terms(x.logp_alpha, x.logp_push, x.logp_old, x.active)
+
+
+def token_terms(logp_alpha: Tensor, logp_push: Tensor, logp_k: Tensor, active: Tensor) -> dict[str, Tensor]:
+    """The four terms per token (flat [N] tensors); inactive tokens (padding, masked groups) may hold
+    anything, so their log-probs are zeroed before the maths (torch.where, not indexing: no host sync
+    on a GPU) and their terms never counted."""
     a = active.bool()
-    # inactive tokens (padding, masked groups) may hold anything: zero their log-probs before the
-    # maths and their terms after it (torch.where, not indexing: no host sync on a GPU)
     logp_alpha, logp_push, logp_k = (torch.where(a, t.detach().double(), 0.0) for t in (logp_alpha, logp_push, logp_k))
     log_m = logp_push - logp_alpha
     log_w = logp_k - logp_alpha
     w_m, w = torch.exp(log_m), torch.exp(log_w)
-    terms = {"tv_mismatch": 0.5 * (w_m - 1.0).abs(), "kl_mismatch": w_m - 1.0 - log_m,
-             "tv_staleness": 0.5 * (w - w_m).abs(), "kl_staleness": w - w_m - w_m * (log_w - log_m)}
-    return {"tokens": a.sum().double(), **{key: torch.where(a, t, 0.0).sum() for key, t in terms.items()}}
-
-
-def add_sums(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, Tensor]:
-    return b if a is None else {key: a[key] + b[key] for key in b}
-
-
-def split_means(sums: dict[str, float]) -> dict[str, float]:
-    """Per-token means (NaN, so missing from the row, when no token was active)."""
-    n = float(sums["tokens"])
-    return {key: float(sums[key]) / n if n > 0 else math.nan for key in SPLIT_KEYS}
+    return {"tv_mismatch": 0.5 * (w_m - 1.0).abs(), "kl_mismatch": w_m - 1.0 - log_m,
+            "tv_staleness": 0.5 * (w - w_m).abs(), "kl_staleness": w - w_m - w_m * (log_w - log_m)}

@@ -16,7 +16,7 @@ from grpo.metrics import LogConfig
 from grpo.objective import ObjectiveConfig
 from grpo.parallel import ParallelConfig
 from grpo.parity import ParityConfig
-from grpo.rewards import RewardConfig
+from grpo.rewards import RewardConfig, reward_range
 from grpo.serving.inference import ServerConfig
 from kernels import KernelConfig
 
@@ -114,6 +114,9 @@ class TrainConfig:
     eval_every: int = 0  # evaluate on the held-out set every N iterations (0: only before and after)
     eval_data: Optional[DataConfig] = None  # held-out problems for periodic eval (None: no periodic eval)
     replay: Optional[str] = None  # a run recorded with log.save_rollouts: train on its batches, no server (--replay)
+    # replay a recording sampled by other weights than model.path's (a deliberate cross-model experiment:
+    # alpha is then another model), or one too old to record them (docs/offpolicy.md)
+    replay_other_weights: bool = False
 
     def __post_init__(self):
         if self.eval_every < 0 or (self.eval_every and self.eval_every % self.grpo.v):
@@ -121,3 +124,21 @@ class TrainConfig:
             raise ValueError(f"eval_every: must be 0 or a multiple of grpo.v={self.grpo.v}, got {self.eval_every}")
         if self.grpo.batch_prompts * self.grpo.G < 1:
             raise ValueError("grpo.batch_prompts: empty batch")
+        lo, hi = reward_range(self.reward, self.grpo.max_new_tokens)  # what the bound's M scales rewards by
+        if not hi > lo:
+            raise ValueError(f"reward.terms: the weighted reward has no range ([{lo:g}, {hi:g}]) at grpo.max_new_tokens="
+                             f"{self.grpo.max_new_tokens}: give a term that can fire there a nonzero weight")
+
+
+def eval_reads_training_data(cfg: TrainConfig) -> Optional[str]:
+    """One start-up line when the held-out evaluation reads the training data's own settings
+    (`eval_data` equal to `data`, e.g. written `eval_data: *data`), saying what it then reads; None
+    when eval_data is its own (or there is none)."""
+    if cfg.eval_data is None or cfg.eval_data != cfg.data:
+        return None
+    if cfg.data.dataset == "arithmetic":
+        return (f"eval_data equals data (dataset arithmetic): the eval reads the task's held-out problems "
+                f"(arithmetic.eval_size: {cfg.data.arithmetic.eval_size}), never drawn for training")
+    return (f"eval_data equals data (dataset {cfg.data.dataset}): the eval reads the training problems themselves; "
+            "give eval_data a dataset of its own for a held-out score")
+

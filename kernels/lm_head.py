@@ -1,18 +1,29 @@
 """Fused LM head + token log-probs: hidden [N, H] and lm_head weight [V, H] -> logp [N], in chunks
-of tokens so that the [N, V] logits never exist (at most one [chunk_tokens, V] block is alive).
+so that the [N, V] logits never exist.
 
-Forward, per chunk c:   logits_c = hidden_c @ weight^T;   (logp, lse, entropy)_c = log-prob kernel.
-Backward, per chunk c:  recompute logits_c (one extra matmul), overwrite it in place with
-                        dlogits_c = g (onehot - p) / T (+ entropy term), then
-                        grad_hidden_c  = dlogits_c @ weight
-                        grad_weight   += dlogits_c^T @ hidden_c   (into one preallocated fp32 [V, H])
+Forward, per chunk of tokens c:   logits_c = hidden_c @ weight^T;   (logp, lse, entropy)_c = log-prob
+                                  kernel (at most one [chunk_tokens, V] block alive).
+Backward, per slab of the vocabulary s (columns v0..v1), over the rows with a gradient (padding and
+ignored rows dropped first):
+                                  recompute logits_s = hidden @ weight[s]^T (one extra matmul),
+                                  overwrite it in place with dlogits_s = g (onehot - p) / T (+ entropy
+                                  term; p from the forward's lse, so a slab needs no other column),
+                                  grad_weight[s]  = dlogits_s^T @ hidden   (the slab's rows, final)
+                                  grad_hidden    += dlogits_s @ weight[s]  (fp32 [N, H])
+Slabs rather than token chunks in the backward: each slab of the weight gradient is complete after
+one GEMM over all tokens (fp32 accumulation inside the GEMM, rounded once into the weight's dtype),
+so no fp32 [V, H] accumulator exists (519 MB at Qwen2.5-0.5B's V x H; docs/benchmarks). The fp32
+accumulator moves to grad_hidden, N x H. `slab_columns` sizes a slab so that its temporaries (fp32
+dlogits, their bf16 copy for the GEMMs, the fp32 slab of the weight gradient) hold no more than the
+forward's one [chunk_tokens, V] fp32 block.
 
 Why recompute instead of computing the gradients during the forward (as fused linear-cross-entropy
 does): our output is a per-token logp whose upstream gradient g_i is not known at forward time, and
 grad_weight = sum_i g_i (onehot_i - p_i)^T hidden_i / T mixes all tokens' g_i with [V]-sized rows,
 so it cannot be prepared without keeping [N, V] of state. Recomputing costs one matmul of the three
-of a plain forward+backward (4 GEMMs instead of 3) and no memory. LMHeadObjective, whose loss IS a
-function of logp alone, computes the gradients in the forward instead (3 matmuls).
+of a plain forward+backward (4 GEMMs instead of 3). LMHeadObjective, whose loss IS a function of
+logp alone, computes the gradients in the forward instead (3 matmuls), by token chunks, so it keeps
+the fp32 [V, H] weight-gradient accumulator: one GEMM fewer for 519 MB more at 0.5B sizes.
 
 Numerics: logits are always fp32, whatever the weights' dtype. bf16 logits have a rounding step of
 0.125 at |z| ~ 16-32; divided by the paper's temperature 0.1 that is up to ~0.6 nat of log-prob
@@ -135,6 +146,40 @@ class _HeadGemms:
                 grad_weight.addmm_(dlogits.t(), hidden_c.to(grad_weight.dtype))
 
 
+    def slab_logits(self, hidden: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
+        """[n, v1 - v0] fp32 = hidden @ weight[v0:v1]^T."""
+        if self.strategy == "out_dtype":
+            return torch.mm(hidden, self.weight[v0:v1].t(), out_dtype=torch.float32)
+        with self.math():
+            return hidden.to(self.weight32.dtype) @ self.weight32[v0:v1].t()
+
+    def slab_grads(self, dlogits: torch.Tensor, hidden: torch.Tensor, v0: int, v1: int,
+                   grad_weight: Optional[torch.Tensor], grad_hidden: Optional[torch.Tensor]) -> None:
+        """grad_weight[v0:v1] = dlogits^T @ hidden (fp32 sums over every token, rounded once into
+        grad_weight's dtype); grad_hidden (fp32) += dlogits @ weight[v0:v1]. dlogits [n, v1 - v0]
+        fp32; on out_dtype and bf16_math it enters both GEMMs rounded to bf16, as any bf16 backward."""
+        if self.strategy == "out_dtype":
+            d = dlogits.to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight[v0:v1].copy_(torch.mm(d.t(), hidden, out_dtype=torch.float32))
+            if grad_hidden is not None:
+                accumulate_out_dtype(grad_hidden, d, self.weight[v0:v1])
+            return
+        with self.math():
+            if grad_weight is not None:
+                grad_weight[v0:v1].copy_(dlogits.t() @ hidden.to(self.weight32.dtype))
+            if grad_hidden is not None:
+                grad_hidden.addmm_(dlogits, self.weight32[v0:v1])
+
+
+def slab_columns(n_rows: int, hidden_size: int, vocab: int, chunk_tokens: int) -> int:
+    """Vocabulary columns per backward slab: its temporaries (fp32 dlogits [n, s] and their bf16
+    copy, 6 n s bytes; the fp32 weight-gradient slab [s, H], 4 s H) within the forward's fp32
+    [chunk_tokens, V] block (4 chunk_tokens V bytes); a multiple of 128, at least 128."""
+    cols = 4 * chunk_tokens * vocab // max(1, 6 * n_rows + 4 * hidden_size)
+    return max(128, min(vocab, cols) // 128 * 128)
+
+
 def _chunks(n_rows: int, chunk_tokens: int):
     for c0 in range(0, n_rows, chunk_tokens):
         yield c0, min(n_rows, c0 + chunk_tokens)
@@ -167,39 +212,40 @@ class LMHeadLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g = merge_grads(targets, grad_logp)
+        live = g != 0
         if grad_entropy is not None:
             grad_entropy = grad_entropy.float().contiguous()
-        grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-        # fp32 accumulator; for an fp32 weight it is the returned gradient itself (no copy).
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        chunks = list(_chunks(hidden.shape[0], ctx.chunk_tokens))
+            live |= grad_entropy != 0
+        # Rows with no gradient at all (padding, ignored tokens) cost nothing: which ones, in ONE
+        # host sync per call; the slabs run over the others.
+        rows = live.nonzero().squeeze(1)
+        n_live = rows.numel()
+        every_row = n_live == hidden.shape[0]
 
-        def has_gradient(c0, c1):
-            flag = (g[c0:c1] != 0).any()
-            if grad_entropy is not None:
-                flag = flag | (grad_entropy[c0:c1] != 0).any()
-            return flag
+        def live_part(t):
+            return None if t is None else (t if every_row else t.index_select(0, rows))
 
-        # Chunks of padding (no gradient at all) cost nothing: which ones, in ONE host sync per call.
-        live = torch.stack([has_gradient(c0, c1) for c0, c1 in chunks]).tolist() if chunks else []
+        hidden_l, targets_l, lse_l, g_l = live_part(hidden), live_part(targets), live_part(lse), live_part(g)
+        entropy_l, grad_entropy_l = live_part(entropy), live_part(grad_entropy)
+        grad_weight = None
+        if need_weight:  # written slab by slab, every row of it; zero where no token had a gradient
+            grad_weight = (torch.empty if n_live else torch.zeros)(weight.shape, dtype=weight.dtype, device=weight.device)
+        grad_hidden32 = torch.zeros(n_live, hidden.shape[1], dtype=torch.float32, device=hidden.device) if need_hidden else None
         gemms = _HeadGemms(weight)
-        for (c0, c1), is_live in zip(chunks, live):
-            if not is_live:
-                continue
-            hidden_c = hidden[c0:c1]
-            logits = gemms.logits(hidden_c)
-            ctx.impl.backward(logits, targets[c0:c1], lse[c0:c1], g[c0:c1],
-                              entropy[c0:c1] if entropy is not None else None,
-                              grad_entropy[c0:c1] if grad_entropy is not None else None,
+        vocab = weight.shape[0]
+        step = slab_columns(n_live, hidden.shape[1], vocab, ctx.chunk_tokens)
+        for v0 in range(0, vocab if n_live else 0, step):
+            v1 = min(vocab, v0 + step)
+            logits = gemms.slab_logits(hidden_l, v0, v1)
+            # targets shifted into the slab's columns: a target outside them adds no one-hot term
+            ctx.impl.backward(logits, targets_l - v0, lse_l, g_l, entropy_l, grad_entropy_l,
                               ctx.inv_temperature, out=logits)
-            dlogits = logits  # overwritten in place: the chunk's only [c, V] buffer
-            if need_hidden:
-                gemms.grad_hidden(dlogits, out=grad_hidden[c0:c1])
-            if need_weight:
-                gemms.accumulate_grad_weight(grad_weight, dlogits, hidden_c)
-            del logits, dlogits
-        if need_weight and weight.dtype != torch.float32:
-            grad_weight = grad_weight.to(weight.dtype)
+            gemms.slab_grads(logits, hidden_l, v0, v1, grad_weight, grad_hidden32)
+            del logits
+        grad_hidden = None
+        if need_hidden:
+            grad_hidden = grad_hidden32.to(hidden.dtype) if every_row else torch.zeros_like(hidden).index_copy_(
+                0, rows, grad_hidden32.to(hidden.dtype))
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

@@ -75,7 +75,8 @@ def torch_backward(logits, targets, lse, grad_logp, entropy, grad_entropy, inv_t
     """Write dlogits = (g (onehot - p) - g_H p (log p + H)) / T into `out` (may alias logits).
 
     grad_logp [N] fp32 must already be 0 on ignored rows; grad_entropy is None when the entropy
-    is not differentiated. For fp32 the gradient is built in place in `out` (no temporary unless
+    is not differentiated. `logits` may be a slab of the vocabulary (the fused LM head's backward)
+    with targets shifted to its columns: a target outside [0, n_cols) contributes no one-hot term. For fp32 the gradient is built in place in `out` (no temporary unless
     the entropy is differentiated); other dtypes go through one fp32 block."""
     n_rows, n_cols = logits.shape
     for r0, r1 in _row_blocks(n_rows, n_cols):
@@ -95,7 +96,7 @@ def torch_backward(logits, targets, lse, grad_logp, entropy, grad_entropy, inv_t
             work.clamp_(min=torch.finfo(torch.float32).min).add_(entropy[r0:r1, None]).mul_(p)
             work.mul_(-grad_entropy[r0:r1, None]).sub_(p.mul_(g))  # -g_H p (log p + H) - g p
         t = targets[r0:r1]
-        valid = t >= 0
+        valid = (t >= 0) & (t < n_cols)  # a target outside the columns (a slab of V) has no one-hot term here
         rows = torch.arange(r1 - r0, device=x.device)[valid]
         work[rows, t[valid]] += grad_logp[r0:r1][valid]  # + g onehot
         if inv_temperature != 1.0:

@@ -33,7 +33,6 @@ import json
 import math
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,8 +44,7 @@ from grpo.config import ConfigError, load_config  # noqa: E402
 from grpo.models import load_tokenizer  # noqa: E402
 from grpo.objective import finalize_stats  # noqa: E402
 from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
-from grpo.parallel import (DistInfo, close_distributed, device_memory_bytes, gradient_sync_plan,  # noqa: E402
-                           init_distributed)
+from grpo.parallel import DistInfo, close_distributed, init_distributed  # noqa: E402
 from grpo.policy import Policy, copy_policy  # noqa: E402
 from grpo.recording import RecordedStream, ReplayError, model_and_tokenizer  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
@@ -54,6 +52,7 @@ import train  # noqa: E402  (the trainer's own policy and step)
 
 
 DEVICE = torch.device("cpu")  # one process on this machine's CPU cores
+ONE_PROCESS = DistInfo(0, 1, 0, DEVICE)  # its rank: FSDP2 over this process alone
 
 
 def parse_objective(spec: str) -> tuple[str, list[str]]:
@@ -68,9 +67,9 @@ def gradient(policy: Policy, rollout, cfg: TrainConfig, pad_token_id: int) -> tu
     global denominators, pi = pi_k), and the objective's finalized statistics."""
     policy.zero_grad(set_to_none=True)
     policy.temperature = cfg.grpo.temperature
-    run = trainer_run(cfg, policy, pad_token_id)
-    micro_batches, denominators, _ = train.plan_batch(run, rollout)
-    stats, _ = train.sgd_iteration(run, micro_batches, train.BatchCache(), denominators)
+    trainer = train.Trainer(cfg=cfg, dist=ONE_PROCESS, policy=policy, pad_token_id=pad_token_id)
+    micro_batches, denominators, _ = train.plan_batch(trainer, rollout)
+    stats, _ = train.sgd_iteration(trainer, micro_batches, train.BatchCache(), denominators)
     grads = [full(p.grad).reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in policy.parameters()]
     policy.zero_grad(set_to_none=True)
     return torch.cat(grads).double().cpu(), finalize_stats(stats)
@@ -94,15 +93,6 @@ def trainer_policy(cfg: TrainConfig, model_path: str, trainable: bool) -> Policy
     return policy
 
 
-def trainer_run(cfg: TrainConfig, policy: Policy, pad_token_id: int, ref: Optional[Policy] = None,
-                optimizer=None, scheduler=None) -> SimpleNamespace:
-    """What train.plan_batch, sgd_iteration and optimizer_step read of a train.Run, for this one rank."""
-    sync_every, _ = gradient_sync_plan(cfg.optim.grad_sync, policy, device_memory_bytes(DEVICE))
-    return SimpleNamespace(cfg=cfg, dist=DistInfo(0, 1, 0, DEVICE), policy=policy, ref_policy=ref, optimizer=optimizer,
-                           scheduler=scheduler, tokenizer=SimpleNamespace(pad_token_id=pad_token_id),
-                           sync_every_micro_batch=sync_every)
-
-
 class Follower:
     """--follow: the parameters move along the recorded run's own updates, batch after batch, by the
     trainer's own step under its config (train.plan_batch, sgd_iteration, optimizer_step: micro-batches
@@ -117,7 +107,8 @@ class Follower:
         ref = trainer_policy(run_cfg, model_path, trainable=False) if run_cfg.objective.beta > 0 else None
         optimizer = build_optimizer(policy, run_cfg.optim)
         scheduler = build_scheduler(optimizer, run_cfg.grpo.S * run_cfg.grpo.M * run_cfg.grpo.i, run_cfg.optim)
-        self.run = trainer_run(run_cfg, policy, pad_token_id, ref, optimizer, scheduler)
+        self.run = train.Trainer(cfg=run_cfg, dist=ONE_PROCESS, policy=policy, pad_token_id=pad_token_id,
+                                 ref_policy=ref, optimizer=optimizer, scheduler=scheduler)
 
     def step(self, stream: RecordedStream, stage: int, k: int) -> list[float]:
         run = self.run
@@ -139,7 +130,8 @@ def compare(run_dir: Path, base: TrainConfig, objectives: list[tuple[str, TrainC
     along that run's updates (Follower) and each row holds the batch's alpha_lag_steps."""
     stream = RecordedStream(run_dir)
     tokenizer = load_tokenizer(model_path)
-    stream.check_batches(sorted(stream.files), base, model_and_tokenizer(model_path, tokenizer))
+    # at the parameters it is given (--model may be other weights on purpose): the weights are not checked
+    stream.check_batches(sorted(stream.files), base, model_and_tokenizer(model_path, tokenizer), None)
     policy = trainer_policy(follow or base, model_path, trainable=True)
     follower = Follower(policy, follow, model_path, tokenizer.pad_token_id) if follow is not None else None
     rows = []

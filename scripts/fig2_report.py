@@ -1,56 +1,66 @@
-"""The CPU replica of Fig. 2 as a page: each claim of the paper decided from the sweep's runs.
+"""The CPU replica of Fig. 2 as a page: each claim decided by the pre-set design (docs/fig2_design.md).
 
-    python scripts/fig2_report.py --sweep runs/sweeps/fig2-cpu --vsweep runs/sweeps/fig2-cpu-v \\
-        --compare runs/sweeps/fig2-cpu/v10-i1-s0/compare --out docs/fig2_cpu.md
+    python scripts/fig2_report.py --design configs/designs/fig2_cpu.yaml --sweep runs/sweeps/fig2-cpu-2 \\
+        --vsweep runs/sweeps/fig2-cpu-2-v --compare runs/sweeps/fig2-cpu-2/v10-i1-s10/compare --out docs/fig2_cpu.md
 
-Reads the runs scripts/sweep.py made (`make replicate`: the four settings of Fig. 2 x seeds, and the
-v-sweep) and writes the page (--out) with its figures beside it: <out>.png (held-out pass@1 per
-setting against optimizer steps and against pushes, mean over seeds and min-max band),
-<out>_lag.png (the off-policy instruments by lag inside a v-window) and <out>_vsweep.png (pass@1
-and pushes against v). Nothing on the page is written by hand: every number, interval and verdict
-comes from the runs' metrics.jsonl.
+Reads the design file (its seeds, eval, checkpoints, margin and arms), the runs scripts/sweep.py
+made of it (`make replicate`) and writes the page (--out) with its figures beside it: <out>.png
+(held-out pass@1 per arm against optimizer steps and against pushes, mean over seeds and min-max
+band), <out>_lag.png (the off-policy instruments by lag inside a v-window) and <out>_vsweep.png
+(pass@1 and pushes against v). Nothing on the page is written by hand. It holds, in order:
 
-The claims of Section 5.1 / Fig. 2, each an effect on held-out pass@1 oriented so that the claim
-says "the effect is positive", paired by seed (the runs of a seed share the data order, the
-sampling seeds and the eval's seeds):
+  where it comes from: the commits that fixed the design (git's history of the design file and of
+    the sweep's config up to the runs' commit; the first replica's bbea659 and 6cd80e9), the runs'
+    one code commit, their machines and dates;
+  the runs: every arm x seed of the design, counted or why not;
+  the verdicts: every pre-set test of scripts/fig2_power.TESTS, its per-seed values, mean and t
+    interval, its planned power and the eval's standard error, and each claim's verdict;
+  descriptive parts, without verdicts: every checkpoint's paired difference, the per-arm table,
+    v10-i1's instruments by lag, the v-sweep, the objectives' replay.
 
-  1. off-policy v10-i1 matches or beats on-policy v1-i1 at equal iterations (optimizer steps), with
-     ~10x fewer pushes: pass@1(v10-i1) - pass@1(v1-i1) >= -MARGIN (non-inferiority);
-  2. eq. 8 masking improves or stabilises on-policy training: pass@1(mask) - pass@1(plain) > 0, or
-     the largest drop of the pass@1 curve (drawdown(plain) - drawdown(mask)) > 0;
-  3. v1-i10 (batch reuse) learns less per iteration: pass@1(v1-i1) - pass@1(v1-i10) > 0 at equal
-     optimizer steps (both start from the same weights and the same eval seeds, so this is the
-     difference of their gains).
+A run is counted when it has finished (its final/ export), every start of it recorded
+(provenance.jsonl, train.py) the replica's code commit with a clean checkout, and its config.yaml
+has the design's eval. The replica's commit is the one its earliest start recorded; a run of another
+commit, of a changed checkout, without provenance or with another eval is not counted, and the page
+says so. A test is decided only when every seed of its arms is counted: otherwise its verdict is
+"missing runs", naming them (never a verdict over fewer seeds). So the page says what it has at
+every point of a sweep, and `make replicate` alone regenerates it.
 
-Each is decided at the last checkpoint the two settings share (the end of the runs); the page also
-lists the difference at every shared checkpoint, and for v10-i1 at equal pushes. The interval is a
-two-sided 95% Student t interval of the mean paired difference over seeds. A verdict:
-  holds            the interval lies on the claim's side (above 0; above -MARGIN for "matches");
-  refuted          it lies on the other side (below 0; below -MARGIN);
-  not resolved     it straddles (at this scale: the seeds disagree or the effect is small).
-Claim 2 holds if either part holds and is refuted if both are.
+The test (docs/fig2_design.md): the seeds' paired differences, their mean and the two-sided `level`
+Student t interval; holds when it lies above the threshold (0, or -margin for "matches"), does not
+hold when it lies below, not resolved when it straddles. A claim holds when all its primary tests
+hold, does not hold when one does not. A sweep of other seeds or arms than the design's is refused
+(one line, exit 2).
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
-import platform
 import shlex
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fig2_power as design_lib  # noqa: E402  (scripts/fig2_power.py: the design, its tests and statistics)
 import plot  # noqa: E402  (scripts/plot.py: the sweep's runs, curves and bands)
+from fig2_power import t_quantile  # noqa: E402,F401  (the quantile the intervals use; tests read it here)
 
-MARGIN = 0.05  # pass@1: "matches" = not worse by more than this (fixed before the sweep ran)
-LEVEL = 0.95  # the intervals' coverage
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from grpo import provenance  # noqa: E402
+
 PASS = "eval/pass@1"
-HOLDS, REFUTED, OPEN = "holds", "refuted", "not resolved at this scale"
+HOLDS, REFUTED, OPEN, MISSING, PENDING = "holds", "does not hold", "not resolved", "missing runs", "pending"
+# The first replica (2026-11-25/26): its settings and its rule were fixed by these commits before its runs.
+FIRST_REPLICA = (("bbea659", "configs/cpu_fig2.yaml: the settings, fixed before any run of seeds 0-2"),
+                 ("6cd80e9", "scripts/fig2_report.py: the first rule (a verdict at step 50)"))
 
 
 class ReportError(Exception):
@@ -59,28 +69,6 @@ class ReportError(Exception):
 
 # ---------------------------------------------------------------------------------------------
 # statistics
-
-@functools.lru_cache(maxsize=None)
-def t_quantile(p: float, df: int) -> float:
-    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom: the density integrated
-    by Simpson's rule and the quantile bracketed by bisection (no scipy on these machines)."""
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def cdf(x: float) -> float:  # P(T <= x) for x >= 0
-        n = 2000
-        h = x / n
-        density = [math.exp(log_c - (df + 1) / 2 * math.log1p((j * h) ** 2 / df)) for j in range(n + 1)]
-        total = sum((1 if j in (0, n) else 4 if j % 2 else 2) * f for j, f in enumerate(density))
-        return 0.5 + total * h / 3
-
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < p:
-        lo, hi = hi, 2 * hi
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
-
 
 @dataclass
 class Interval:
@@ -92,7 +80,7 @@ class Interval:
     hi: Optional[float]
 
     @classmethod
-    def of(cls, diffs: list[float], level: float = LEVEL) -> "Interval":
+    def of(cls, diffs: list[float], level: float = 0.95) -> "Interval":
         n = len(diffs)
         if n == 0:
             return cls([], math.nan, None, None)
@@ -111,26 +99,30 @@ class Interval:
         return f"{self.mean:+.3f} [{self.lo:+.3f}, {self.hi:+.3f}]"
 
 
-def verdict(iv: Interval, margin: float = 0.0) -> str:
-    """The claim "effect > -margin" (margin 0: "effect > 0") against the interval."""
+def verdict(iv: Interval, threshold: float = 0.0) -> str:
+    """The claim "effect > threshold" against the interval."""
     if iv.lo is None:
         return OPEN
-    if iv.lo > -margin:
+    if iv.lo > threshold:
         return HOLDS
-    if iv.hi < -margin:
+    if iv.hi < threshold:
         return REFUTED
     return OPEN
 
 
-def either(a: str, b: str) -> str:
-    """The verdict of "A or B"."""
-    if HOLDS in (a, b):
-        return HOLDS
-    return REFUTED if a == b == REFUTED else OPEN
+def all_of(verdicts: list[str]) -> str:
+    """The verdict of "A and B and ...": pending or missing parts first, then any part that does not
+    hold, then all holding."""
+    for waiting in (PENDING, MISSING):
+        if any(v.startswith(waiting) for v in verdicts):
+            return waiting
+    if REFUTED in verdicts:
+        return REFUTED
+    return HOLDS if verdicts and all(v == HOLDS for v in verdicts) else OPEN
 
 
 # ---------------------------------------------------------------------------------------------
-# what one run shows
+# what one run shows (docs/fig2_design.md, "The metrics, exactly")
 
 def evals(rows: list[dict], axis: str = "step") -> dict[float, float]:
     """{step or pushes: held-out pass@1} of a run's eval rows (pushes: the version evaluated)."""
@@ -139,11 +131,12 @@ def evals(rows: list[dict], axis: str = "step") -> dict[float, float]:
 
 
 def drawdown(rows: list[dict], at: Optional[list[float]] = None) -> Optional[float]:
-    """The largest drop of the pass@1 curve, over the checkpoints `at` (default: all of the run's):
-    max over checkpoints s < t of pass@1(s) - pass@1(t), 0 for a curve that never falls (the
-    instability eq. 8 masking is said to remove). Two runs compare on the same checkpoints: more
-    of them can only find a deeper fall."""
+    """The largest fall of the pass@1 curve over the checkpoints `at` (default: all of the run's):
+    max over checkpoints s < t of pass@1(s) - pass@1(t), 0 for a curve that never falls; None when
+    the run lacks one of them."""
     curve = evals(rows)
+    if at is not None and any(x not in curve for x in at):
+        return None
     values = [curve[x] for x in sorted(curve) if at is None or x in at]
     if not values:
         return None
@@ -154,104 +147,352 @@ def drawdown(rows: list[dict], at: Optional[list[float]] = None) -> Optional[flo
     return worst
 
 
+def learning(rows: list[dict], at: list[float]) -> Optional[float]:
+    """The mean pass@1 over the checkpoints `at` (None when the run lacks one)."""
+    curve = evals(rows)
+    return sum(curve[x] for x in at) / len(at) if all(x in curve for x in at) else None
+
+
+def end_point(rows: list[dict], pushes_at_end: int) -> Optional[float]:
+    """pass@1 at the run's last eval, when that eval is of the weights after `pushes_at_end` pushes."""
+    last = [r for r in rows if plot.finite(r.get(PASS))]
+    if not last or last[-1].get("eval/weights_version") != pushes_at_end:
+        return None
+    return float(last[-1][PASS])
+
+
+def eval_samples(rows: list[dict], default: int) -> int:
+    """Completions per eval, as the run's last eval row counted them."""
+    counted = [r["eval/n_samples"] for r in rows if plot.finite(r.get("eval/n_samples"))]
+    return int(counted[-1]) if counted else default
+
+
+def noise_floor(rows: list[dict], at: list[float], default_samples: int) -> Optional[float]:
+    """The mean drawdown the eval's noise alone gives a flat curve at this run's level: the flat
+    curve's factor (fig2_power.flat_drawdown) times the binomial standard error of one checkpoint."""
+    level = learning(rows, at)
+    if level is None:
+        return None
+    mean_factor, _ = design_lib.flat_drawdown(len(at))
+    return mean_factor * math.sqrt(level * (1 - level) / eval_samples(rows, default_samples))
+
+
 def pushes(rows: list[dict]) -> int:
     """Weight pushes the run made (the newest version trained on or evaluated)."""
     versions = [row.get("weights_version", row.get("eval/weights_version")) for row in rows]
     return int(max((v for v in versions if plot.finite(v)), default=0))
 
 
+def value(test: design_lib.Test, rows: list[dict], design: design_lib.Design) -> Optional[float]:
+    """One run's value of the test's metric (docs/fig2_design.md)."""
+    at = list(design.checkpoints)
+    if test.metric == "learning":
+        return learning(rows, at)
+    if test.metric == "drawdown":
+        return drawdown(rows, at)
+    if test.metric == "at":
+        return end_point(rows, design.equal_samples)
+    if test.metric == "gain":
+        level, start = learning(rows, at), evals(rows).get(0)
+        return None if level is None or start is None else level - start
+    if test.metric == "unstable":
+        fall, floor = drawdown(rows, at), noise_floor(rows, at, design.eval_samples)
+        return None if fall is None or floor is None else fall - floor
+    raise ValueError(f"test {test.id}: unknown metric {test.metric!r}")
+
+
+def eval_se(test: design_lib.Test, runs: dict[str, list[list[dict]]], design: design_lib.Design) -> Optional[float]:
+    """The eval's binomial standard error of one seed's value of the test, at the counted runs' mean
+    levels (an upper bound: the problems are a fixed set, the arms share the eval's sampling seeds)."""
+    at = list(design.checkpoints)
+
+    def levels(arm: str, steps) -> Optional[list[float]]:
+        curves = [evals(rows) for rows in runs.get(arm, [])]
+        if not curves or any(s not in c for c in curves for s in steps):
+            return None
+        return [sum(c[s] for c in curves) / len(curves) for s in steps]
+
+    def ends(arm: str) -> Optional[float]:
+        values = [end_point(rows, design.equal_samples) for rows in runs.get(arm, [])]
+        return sum(values) / len(values) if values and None not in values else None
+
+    samples = design.eval_samples
+    arms = [a for a in (test.a, test.b) if a]
+    pq = lambda p: p * (1 - p)  # noqa: E731
+    if test.metric == "at":
+        ps = [ends(a) for a in arms]
+        return None if None in ps else math.sqrt(sum(pq(p) for p in ps) / samples)
+    per_arm = [levels(a, at) for a in arms]
+    if None in per_arm:
+        return None
+    if test.metric in ("learning", "gain"):
+        var = sum(pq(p) for ps in per_arm for p in ps) / samples / len(at) ** 2
+        if test.metric == "gain":
+            start = levels(test.a, [0])
+            var += pq(start[0]) / samples if start else 0.0
+        return math.sqrt(var)
+    _, var_flat = design_lib.flat_drawdown(len(at))
+    return math.sqrt(var_flat * sum(pq(sum(ps) / len(ps)) for ps in per_arm) / samples)
+
+
 # ---------------------------------------------------------------------------------------------
-# the claims
+# the runs: counted, or why not
 
-Points = dict[str, dict[int, list[dict]]]  # grid point -> {seed: metrics rows}
-
-
-@dataclass
-class Row:
-    """One paired comparison at one checkpoint."""
-
-    effect: str
-    at: str
-    iv: Interval
-    verdict: str = ""
+Points = dict[str, dict[int, list[dict]]]  # arm -> {seed: metrics rows}
 
 
 @dataclass
-class Claim:
-    text: str
-    verdict: str
-    decided_by: list[Row]
-    checkpoints: list[Row] = field(default_factory=list)  # the same effect at every shared checkpoint
-    note: str = ""
+class RunState:
+    name: str
+    arm: str
+    seed: int
+    rows: list[dict]
+    finished: bool
+    starts: list[dict]
+    why_not: str = ""  # "" when counted
+    problem: str = ""  # what makes it untraceable to the replica's commit and the design's eval ("" if nothing)
+
+    @property
+    def counted(self) -> bool:
+        return self.finished and not self.why_not
 
 
-def paired(points: Points, a: str, b: str, value: Callable[[list[dict]], Optional[float]]) -> Interval:
-    """value(a's run) - value(b's run), seed by seed, over the seeds where both have a value."""
-    diffs = []
-    for seed in sorted(set(points.get(a, {})) & set(points.get(b, {}))):
-        va, vb = value(points[a][seed]), value(points[b][seed])
-        if va is not None and vb is not None:
-            diffs.append(va - vb)
-    return Interval.of(diffs)
+@dataclass
+class Sweep:
+    dir: Path
+    manifest: dict
+    runs: dict[tuple[str, int], RunState]
+
+    def points(self, counted_only: bool = True) -> Points:
+        """{arm: {seed: rows}} of the counted runs (or, for the descriptive v-sweep, of every traceable run
+        that has logged, finished or not)."""
+        out: Points = {p["name"]: {} for p in self.manifest["points"]}
+        for (arm, seed), run in self.runs.items():
+            if run.counted if counted_only else (run.rows and not run.problem):
+                out[arm][seed] = run.rows
+        return out
 
 
-def shared_checkpoints(points: Points, a: str, b: str, axis: str) -> list[float]:
-    """The checkpoints (steps or pushes, after the start) at which every run of a and b evaluated, over
-    the seeds both have: a run whose partner has not started yet (--partial) pairs with nothing, so it
-    must not hold the decision back at its own latest checkpoint."""
-    seeds = set(points.get(a, {})) & set(points.get(b, {}))
-    runs = [points[p][s] for s in sorted(seeds) for p in (a, b)]
-    if not runs:
-        return []
-    common = set.intersection(*(set(evals(rows, axis)) for rows in runs))
-    return sorted(x for x in common if x > 0)
+def load_sweep(sweep_dir: Path, arms: list[str], seeds: tuple[int, ...], what: str) -> Sweep:
+    """The sweep's manifest and every run's state; a sweep of other arms or seeds than the design's
+    is refused (it is another design's)."""
+    path = sweep_dir / "sweep.json"
+    if not path.is_file():
+        raise ReportError(f"{sweep_dir}: no sweep.json (run `make replicate`, or give the {what} directory)")
+    manifest = json.loads(path.read_text())
+    names = [p["name"] for p in manifest["points"]]
+    if arms and names != arms:
+        raise ReportError(f"{path}: points {names} are not the design's arms {arms}")
+    if sorted(manifest["seeds"]) != sorted(seeds):
+        raise ReportError(f"{path}: seeds {manifest['seeds']} are not the design's {list(seeds)}")
+    runs = {}
+    for run in manifest["runs"]:
+        run_dir = sweep_dir / run["name"]
+        metrics = run_dir / "metrics.jsonl"
+        rows = plot.read_metrics(metrics) if metrics.is_file() and metrics.stat().st_size else []
+        runs[run["point"], run["seed"]] = RunState(run["name"], run["point"], run["seed"], rows,
+                                                   (run_dir / "final").is_dir(), provenance.read(run_dir))
+    return Sweep(sweep_dir, manifest, runs)
 
 
-def at_checkpoint(axis: str, x: float) -> Callable[[list[dict]], Optional[float]]:
-    return lambda rows: evals(rows, axis).get(x)
+def progress_of(sweep: Sweep, run: RunState) -> str:
+    """Why an unfinished run is not counted: not started, stopped at a step, failed."""
+    if not (sweep.dir / run.name).is_dir():
+        return "not started"
+    steps = [r["step"] for r in run.rows if plot.finite(r.get("step"))]
+    where = f"at step {max(steps):g}" if steps else "before its first step"
+    record = sweep.dir / "logs" / f"{run.name}.json"
+    code = json.loads(record.read_text()).get("exit") if record.is_file() else None
+    return f"failed (exit {code}) {where}" if code not in (None, 0) else f"stopped {where}"
 
 
-def compare_curves(points: Points, a: str, b: str, axis: str, effect: str, margin: float = 0.0) -> list[Row]:
-    """effect = pass@1(a) - pass@1(b) at every shared checkpoint, each with its verdict."""
-    unit = "step" if axis == "step" else "pushes"
-    rows = []
-    for x in shared_checkpoints(points, a, b, axis):
-        iv = paired(points, a, b, at_checkpoint(axis, x))
-        rows.append(Row(effect, f"{unit} {x:g}", iv, verdict(iv, margin)))
-    return rows
+def replica_commit(sweeps: list[Sweep]) -> Optional[str]:
+    """The commit the replica's earliest recorded start ran: every run must have run it."""
+    starts = [s for sw in sweeps for run in sw.runs.values() for s in run.starts if s.get("commit")]
+    return min(starts, key=lambda s: s.get("started_unix", math.inf))["commit"] if starts else None
 
 
-def claims(points: Points, margin: float = MARGIN) -> list[Claim]:
-    out = []
-    # 1. v10-i1 vs v1-i1: at equal optimizer steps (the claim), and at equal pushes
-    steps = compare_curves(points, "v10-i1", "v1-i1", "step", "pass@1(v10-i1) - pass@1(v1-i1)", margin)
-    by_push = compare_curves(points, "v10-i1", "v1-i1", "pushes", "pass@1(v10-i1) - pass@1(v1-i1)")
-    ratio = [pushes(points["v1-i1"][s]) / max(pushes(points["v10-i1"][s]), 1)
-             for s in sorted(set(points.get("v1-i1", {})) & set(points.get("v10-i1", {})))]
-    decided = steps[-1:] + by_push[-1:]
-    out.append(Claim(
-        "off-policy v10-i1 matches or beats on-policy v1-i1 at equal iterations, with ~10x fewer pushes",
-        steps[-1].verdict if steps else OPEN, decided, steps + by_push,
-        f"matching = not worse by more than {margin:g} pass@1; pushes v1-i1 / v10-i1 at the end: "
-        + (", ".join(f"{r:.1f}" for r in ratio) if ratio else "n/a")
-        + ". The equal-pushes row (v10-i1 ahead?) is shown, not part of the verdict."))
-    # 2. eq. 8 masking vs plain on-policy GRPO: the end point, and the largest drop of the curve
-    final = compare_curves(points, "v1-i1-mask", "v1-i1", "step", "pass@1(mask) - pass@1(v1-i1)")
-    shared = [0.0] + shared_checkpoints(points, "v1-i1-mask", "v1-i1", "step")
-    stab = paired(points, "v1-i1", "v1-i1-mask", lambda rows: drawdown(rows, shared))
-    stab_row = Row("drawdown(v1-i1) - drawdown(mask)", "whole run", stab, verdict(stab))
-    improves = final[-1].verdict if final else OPEN
-    out.append(Claim("eq. 8 masking improves or stabilises on-policy training", either(improves, stab_row.verdict),
-                     final[-1:] + [stab_row], final,
-                     "drawdown: the largest fall of held-out pass@1 between a checkpoint and a later one, "
-                     "over the checkpoints both settings evaluated"))
-    # 3. batch reuse: v1-i1 vs v1-i10 at equal optimizer steps
-    reuse = compare_curves(points, "v1-i1", "v1-i10", "step", "pass@1(v1-i1) - pass@1(v1-i10)")
-    out.append(Claim("v1-i10 (batch reuse) learns less per iteration than v1-i1", reuse[-1].verdict if reuse else OPEN,
-                     reuse[-1:], reuse, "iterations = optimizer steps; v1-i10 takes 10 on each batch"))
+def check_runs(sweeps: list[Sweep], design: design_lib.Design, commit: Optional[str]) -> None:
+    """Sets each run's problem (no provenance, another commit, a changed checkout, another eval) and
+    why_not (unfinished, or its problem)."""
+    for sweep in sweeps:
+        for run in sweep.runs.values():
+            run.problem = trace_problem(sweep, run, design, commit)
+            run.why_not = progress_of(sweep, run) if not run.finished else run.problem
+
+
+def trace_problem(sweep: Sweep, run: RunState, design: design_lib.Design, commit: Optional[str]) -> str:
+    if not run.starts:
+        return "no provenance.jsonl (run before train.py recorded its commit)"
+    ran = sorted({s.get("commit") or "unknown" for s in run.starts})
+    if ran != [commit]:
+        return f"ran {', '.join(c[:7] for c in ran)}, not the replica's {str(commit)[:7]}"
+    changed = [s for s in run.starts if s.get("dirty") is not False]
+    if changed:
+        paths = changed[0].get("changed") or ["unknown"]
+        return f"a changed checkout ({', '.join(paths[:3])})"
+    config = sweep.dir / run.name / "config.yaml"
+    if not config.is_file():
+        return "no config.yaml"
+    ev = (yaml.safe_load(config.read_text()) or {}).get("eval") or {}
+    if (ev.get("n_problems"), ev.get("k")) != (design.n_problems, design.k):
+        return f"eval {ev.get('n_problems')} x {ev.get('k')}, not the design's {design.n_problems} x {design.k}"
+    return ""
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+@dataclass
+class DesignHistory:
+    """The commits (hash, unix time, date, subject) that changed each design file, up to the runs' commit."""
+
+    commits: dict[str, list[tuple[str, int, str, str]]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def design_history(files: list[Path], commit: Optional[str], first_start: Optional[float]) -> DesignHistory:
+    """git's history of the design files at the runs' commit; a problem when a file is not committed
+    there or was changed after the first run started (the design was not fixed before the runs)."""
+    out = DesignHistory()
+    if commit is None:
+        out.problems.append("no run recorded a commit: the design's commit cannot be checked")
+        return out
+    if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        out.problems.append(f"the runs' commit {commit[:7]} is not in this repository's history")
+        return out
+    for path in files:
+        try:
+            rel = path.resolve().relative_to(ROOT)
+        except ValueError:
+            out.problems.append(f"{path} is not in this repository: its commit cannot be named")
+            continue
+        log = _git("log", "--format=%h%x09%ct%x09%cs%x09%s", commit, "--", str(rel)) or ""
+        history = [(h, int(t), d, s) for h, t, d, s in (line.split("\t", 3) for line in log.splitlines())]
+        if not history:
+            out.problems.append(f"{rel} is not committed at the runs' commit {commit[:7]}")
+            continue
+        out.commits[str(rel)] = history
+        last = history[0]
+        if first_start is not None and last[1] > first_start:
+            out.problems.append(f"{rel} changed at {last[0]} ({last[2]}) after the first run started "
+                                f"({time.strftime('%Y-%m-%d %H:%M', time.gmtime(first_start))} UTC): "
+                                "the design was not fixed before its runs")
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# the verdicts
+
+@dataclass
+class Decided:
+    test: design_lib.Test
+    verdict: str
+    iv: Interval
+    threshold: float
+    missing: list[str]
+    eval_se: Optional[float]
+    planned: Optional[design_lib.Planned]
+
+
+def decide(test: design_lib.Test, sweep: Sweep, design: design_lib.Design,
+           planned: dict[str, design_lib.Planned]) -> Decided:
+    threshold = -design.margin if test.threshold == "margin" else 0.0
+    reason = test.pending(design)
+    if reason:
+        return Decided(test, f"{PENDING}: {reason}", Interval.of([]), threshold, [], None, planned.get(test.id))
+    arms = [a for a in (test.a, test.b) if a]
+    diffs, missing = [], []
+    for seed in design.seeds:
+        values = []
+        for arm in arms:
+            run = sweep.runs.get((arm, seed))
+            if run is None or not run.counted:
+                missing.append(f"{arm}-s{seed} ({run.why_not if run else 'not in the sweep'})")
+                continue
+            v = value(test, run.rows, design)
+            if v is None:
+                missing.append(f"{run.name} (lacks the design's evals)")
+            values.append(v)
+        if len(values) == len(arms) and None not in values:
+            diffs.append(values[0] - values[1] if len(values) == 2 else values[0])
+    iv = Interval.of(diffs, design.level)
+    counted = sweep.points()
+    se = eval_se(test, {a: list(counted.get(a, {}).values()) for a in arms}, design)
+    if missing:
+        return Decided(test, MISSING, iv, threshold, missing, se, planned.get(test.id))
+    return Decided(test, verdict(iv, threshold), iv, threshold, [], se, planned.get(test.id))
+
+
+def claim_verdicts(decided: list[Decided]) -> dict[str, str]:
+    """Each claim's verdict: all of its primary tests."""
+    out = {}
+    for claim in design_lib.CLAIMS:
+        primary = [d.verdict for d in decided if d.test.claim == claim and d.test.role == "primary"]
+        out[claim] = all_of(primary)
+    return out
+
+
+def effect_text(t: design_lib.Test) -> str:
+    names = {"learning": "L", "drawdown": "D", "at": "P", "gain": "G", "unstable": "U"}
+    m = names[t.metric]
+    return f"{m}({t.a}) - {m}({t.b})" if t.b else f"{m}({t.a})"
+
+
+def verdict_table(decided: list[Decided], claims: dict[str, str], design: design_lib.Design) -> str:
+    lines = ["| claim | test | each seed's value | seeds | mean [95% t interval] | threshold | verdict | planned power | "
+             "eval SE (one seed) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for claim, text in design_lib.CLAIMS.items():
+        lines.append(f"| **{text}** | | | | | | **{claims[claim]}** | | |")
+        for d in (d for d in decided if d.test.claim == claim):
+            p = d.planned
+            pw = "n/a" if p is None or p.power is None else f"{p.power:.2f}"
+            se = "n/a" if d.eval_se is None else f"{d.eval_se:.4f}"
+            role = "" if d.test.role == "primary" else f" ({d.test.role})"
+            lines.append(f"| | {d.test.id}{role}: {d.test.text} | `{effect_text(d.test)}` | {len(d.iv.diffs)} of "
+                         f"{len(design.seeds)} | {d.iv.text()} | {d.threshold:+.2f} | {d.verdict} | {pw} | {se} |")
+    return "\n".join(lines)
+
+
+# The descriptive per-checkpoint rows: (a, b) pairs, effect = pass@1(a) - pass@1(b) at each checkpoint.
+CHECKPOINT_PAIRS = (("v10-i1", "v1-i1"), ("v1-i1-mask", "v1-i1"), ("v1-i1-beta0", "v1-i1"), ("v1-i1", "v1-i10"))
+
+
+def checkpoints_table(points: Points, design: design_lib.Design) -> str:
+    lines = ["| effect (descriptive) | step | seeds | per seed | mean [95% t interval] |", "| --- | --- | --- | --- | --- |"]
+    for a, b in CHECKPOINT_PAIRS:
+        seeds = sorted(set(points.get(a, {})) & set(points.get(b, {})))
+        for step in design.checkpoints:
+            diffs = []
+            for s in seeds:
+                ca, cb = evals(points[a][s]), evals(points[b][s])
+                if step in ca and step in cb:
+                    diffs.append(ca[step] - cb[step])
+            iv = Interval.of(diffs, design.level)
+            lines.append(f"| pass@1({a}) - pass@1({b}) | {step} | {len(diffs)} | "
+                         f"{', '.join(f'{d:+.3f}' for d in diffs)} | {iv.text()} |")
+    return "\n".join(lines)
+
+
+def runs_table(sweep: Sweep, design: design_lib.Design) -> str:
+    """Every arm x seed: counted, or why not; pending arms say what they wait for."""
+    lines = ["| arm | counted | not counted |", "| --- | --- | --- |"]
+    for arm, spec in design.arms.items():
+        if spec.get("pending"):
+            lines.append(f"| {arm} | 0 of {len(design.seeds)} | pending: {spec['pending']} |")
+            continue
+        runs = [sweep.runs[arm, s] for s in design.seeds if (arm, s) in sweep.runs]
+        not_counted = "; ".join(f"s{r.seed}: {r.why_not}" for r in runs if not r.counted) or "-"
+        lines.append(f"| {arm} | {sum(r.counted for r in runs)} of {len(design.seeds)} | {not_counted} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # ---------------------------------------------------------------------------------------------
 # the off-policy instruments by lag inside a v-window
 
@@ -454,152 +695,175 @@ def wall_minutes(sweep_dir: Path, manifest: dict) -> float:
     return total / 60
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        cpu = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
-        flags = next(line for line in info.splitlines() if line.startswith("flags")).split()
-        kind = ("AMX" if any(f.startswith("amx") for f in flags) else
-                "AVX512-BF16" if "avx512_bf16" in flags else "AVX2 only" if "avx2" in flags else "no AVX2")
-        cores = sum(1 for line in info.splitlines() if line.startswith("processor"))
-        cpu = f"{cores} x {cpu} ({kind})"
-    except (OSError, StopIteration):
-        pass
-    return cpu
+def machines(sweeps: list[Sweep]) -> str:
+    """The machines the counted runs started on, with how many starts each."""
+    seen: dict[str, int] = {}
+    for sweep in sweeps:
+        for run in sweep.runs.values():
+            if run.counted:
+                for s in run.starts:
+                    text = provenance.machine_text(s.get("machine") or {})
+                    seen[text] = seen.get(text, 0) + 1
+    return "; ".join(f"{m} ({n} starts)" for m, n in seen.items()) or "no counted run yet"
 
 
-def claims_table(found: list[Claim]) -> str:
-    lines = ["| claim | verdict | decided by (paired by seed, mean [95% t interval]) |", "| --- | --- | --- |"]
-    for c in found:
-        by = "; ".join(f"{r.effect} at {r.at}: {r.iv.text()} ({r.verdict})" for r in c.decided_by) or "no shared checkpoint"
-        lines.append(f"| {c.text} | **{c.verdict}** | {by} |")
-    return "\n".join(lines)
-
-
-def checkpoints_table(found: list[Claim]) -> str:
-    lines = ["| effect | checkpoint | seeds | per seed | mean [95% t interval] | verdict at this checkpoint |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for c in found:
-        for r in c.checkpoints:
-            seeds = ", ".join(f"{d:+.3f}" for d in r.iv.diffs)
-            lines.append(f"| {r.effect} | {r.at} | {len(r.iv.diffs)} | {seeds} | {r.iv.text()} | {r.verdict} |")
-    return "\n".join(lines)
+def provenance_lines(design: design_lib.Design, config: str, history: DesignHistory, commit: Optional[str],
+                     sweeps: list[Sweep]) -> list[str]:
+    starts = [s for sw in sweeps for r in sw.runs.values() for s in r.starts if s.get("started_unix")]
+    dates = sorted(s["started"][:10] for s in starts if s.get("started"))
+    lines = [f"- the design: `{design.path.relative_to(ROOT) if design.path.is_relative_to(ROOT) else design.path}` "
+             f"([fig2_design.md](fig2_design.md)): seeds {list(design.seeds)}, eval {design.n_problems} problems x "
+             f"{design.k} samples, checkpoints {list(design.checkpoints)}, margin {design.margin:g}, "
+             f"{design.level:.0%} t intervals"]
+    for path, commits in history.commits.items():
+        lines.append(f"- `{path}` fixed by: " + "; ".join(f"{h} ({d}) {s}" for h, _, d, s in commits[:1])
+                     + (f" (and {len(commits) - 1} earlier commits)" if len(commits) > 1 else ""))
+    for problem in history.problems:
+        lines.append(f"- **design not traceable**: {problem}")
+    lines.append("- before it, the first replica (seeds 0-2, an eval of 40 x 4; underpowered, its verdicts "
+                 "descriptive): " + "; ".join(f"{h} {what}" for h, what in FIRST_REPLICA))
+    lines.append(f"- the runs' code commit: {commit or 'none recorded'} (every counted run's every start, a clean "
+                 f"checkout); machines: {machines(sweeps)}; started {dates[0] + ' to ' + dates[-1] if dates else 'never'}")
+    return lines
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sweep", required=True, help="the Fig. 2 sweep (points v1-i1, v1-i1-mask, v10-i1, v1-i10)")
-    ap.add_argument("--vsweep", help="the v-sweep (points v<N> with grpo.v=N); v1-i1 and v10-i1 of --sweep join it")
+    ap.add_argument("--design", default=str(design_lib.DESIGN), help="the design file (default "
+                    "configs/designs/fig2_cpu.yaml)")
+    ap.add_argument("--sweep", required=True, help="the design's sweep (its arms x its seeds)")
+    ap.add_argument("--vsweep", help="the v-sweep (points v<N> with grpo.v=N, the design's vsweep_seeds): descriptive")
     ap.add_argument("--compare", nargs="+", default=[], help="compare_objectives.py outputs on v10-i1 recordings")
     ap.add_argument("--out", default="docs/fig2_cpu.md", help="the page; figures are written beside it")
-    ap.add_argument("--partial", action="store_true", help="use unfinished runs too (their latest checkpoint)")
-    ap.add_argument("--margin", type=float, default=MARGIN, help=f"pass@1 margin of 'matches' (default {MARGIN})")
     args = ap.parse_args(argv)
     out = Path(args.out)
     try:
-        sweep_dir = Path(args.sweep)
-        manifest, points = plot.load_sweep(sweep_dir, args.partial)
-        missing = [p for p in ("v1-i1", "v1-i1-mask", "v10-i1", "v1-i10") if p not in points]
-        if missing:
-            raise ReportError(f"{sweep_dir}: no grid point {', '.join(missing)} (the Fig. 2 points)")
-        sweeps = [(manifest, points)]
-        vs_manifest = None
+        design = design_lib.load_design(Path(args.design))
+        sweep = load_sweep(Path(args.sweep), design.runnable(), design.seeds, "--sweep")
+        sweeps = [sweep]
         if args.vsweep:
-            vs_manifest, vs_points = plot.load_sweep(Path(args.vsweep), args.partial)
-            sweeps.append((vs_manifest, vs_points))
-        found = claims(points, args.margin)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig_main = out.with_suffix(".png")
-        plot.plot_sweep(points, [PASS, "reward_mean"], fig_main, "minmax", 0.0,
-                        "CPU replica of Fig. 2: held-out pass@1 (mean over seeds, min-max band)")
-        v10 = point_v(manifest, "v10-i1")
-        lags = by_lag(points["v10-i1"], v10)
-        fig_lag = out.with_name(out.stem + "_lag.png")
-        if points["v10-i1"]:
-            plot_lags(lags, fig_lag, "v10-i1: the off-policy instruments by lag (mean over seeds, +-1 std)")
-        wanted = {"v1-i1": 1, "v10-i1": v10}
-        if vs_manifest is not None:
-            wanted.update({p["name"]: point_v(vs_manifest, p["name"]) for p in vs_manifest["points"]})
-        by_v = v_runs(sweeps, wanted)
-        fig_v = out.with_name(out.stem + "_vsweep.png")
-        if by_v:
-            plot_vsweep(by_v, fig_v, "How far off policy: the same iterations at every v")
+            sweeps.append(load_sweep(Path(args.vsweep), [], design.vsweep_seeds, "--vsweep"))
         replay = replay_table([Path(c) for c in args.compare]) if args.compare else None
-    except (ReportError, plot.PlotError) as e:
+    except (ReportError, design_lib.DesignError, plot.PlotError) as e:
         print(f"fig2_report.py: error: {e}", file=sys.stderr)
         return 2
-    seeds = sorted({s for p in points.values() for s in p})
-    def progress_of(sweep_dir: Path, manifest: dict, points: Points) -> str:
-        finished = sum((sweep_dir / r["name"] / "final").is_dir() for r in manifest["runs"])
-        drawn = sum(len(p) for p in points.values())
-        return (f"{finished} of {len(manifest['runs'])} runs finished"
-                + (f", {drawn - finished} in progress drawn at their latest checkpoint (--partial)" if drawn > finished else ""))
+    commit = replica_commit(sweeps)
+    check_runs(sweeps, design, commit)
+    first = min((s["started_unix"] for sw in sweeps for r in sw.runs.values() for s in r.starts
+                 if s.get("started_unix")), default=None)
+    config = sweep.manifest["config"]
+    history = design_history([design.path, ROOT / config], commit, first)
+    planned = {p.test.id: p for p in design_lib.plan(design)}
+    decided = [decide(t, sweep, design, planned) for t in design_lib.TESTS]
+    claims = claim_verdicts(decided)
+    points = sweep.points()
+    counted = sum(r.counted for r in sweep.runs.values())
 
-    sweeps_run = [(args.sweep, manifest)] + ([(args.vsweep, vs_manifest)] if vs_manifest else [])
-    wall = sum(wall_minutes(Path(d), m) for d, m in sweeps_run)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig_main = out.with_suffix(".png")
+    drawn = {p: s for p, s in points.items() if s}
+    if drawn:
+        plot.plot_sweep(drawn, [PASS, "reward_mean"], fig_main, "minmax", 0.0,
+                        "CPU replica of Fig. 2: held-out pass@1 (mean over counted seeds, min-max band)")
+    v10 = point_v(sweep.manifest, "v10-i1")
+    lags = by_lag(points.get("v10-i1", {}), v10)
+    fig_lag = out.with_name(out.stem + "_lag.png")
+    if points.get("v10-i1"):
+        plot_lags(lags, fig_lag, "v10-i1: the off-policy instruments by lag (mean over seeds, +-1 std)")
+    wanted = {"v1-i1": 1, "v10-i1": v10}
+    vs_sweep = sweeps[1] if len(sweeps) > 1 else None
+    if vs_sweep is not None:
+        wanted.update({p["name"]: point_v(vs_sweep.manifest, p["name"]) for p in vs_sweep.manifest["points"]})
+    by_v = v_runs([(sweep.manifest, points)] + ([(vs_sweep.manifest, vs_sweep.points(counted_only=False))]
+                                                 if vs_sweep else []), wanted)
+    fig_v = out.with_name(out.stem + "_vsweep.png")
+    if by_v:
+        plot_vsweep(by_v, fig_v, "How far off policy: the same iterations at every v (descriptive)")
+
     command = "python scripts/fig2_report.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    wall = sum(wall_minutes(sw.dir, sw.manifest) for sw in sweeps)
+    missing = [f"{r.name}: {r.why_not}" for r in sweep.runs.values() if not r.counted]
     page = [
         "# The CPU replica of Fig. 2: verdicts",
         "",
-        "Generated by `scripts/fig2_report.py` from the sweep's runs; nothing on this page is written by hand "
-        "(the reading of it is in [sweeps.md](sweeps.md#the-cpu-replica-of-figure-2-make-replicate)).",
+        "Generated by `scripts/fig2_report.py` from the runs of the pre-set design "
+        "([fig2_design.md](fig2_design.md)); nothing on this page is written by hand (the reading of it is in "
+        "[sweeps.md](sweeps.md#the-cpu-replica-of-figure-2-make-replicate)).",
         "",
         f"- command: `{command}`",
-        f"- sweep `{manifest['name']}` of `{manifest['config']}`, seeds {seeds}: {progress_of(sweep_dir, manifest, points)}"
-        + (f"; v-sweep `{vs_manifest['name']}`: {progress_of(Path(args.vsweep), vs_manifest, vs_points)}"
-           if vs_manifest else ""),
-        f"- machine: {machine()}",
-        f"- date: {time.strftime('%Y-%m-%d')}; wall time of the runs: {wall:.0f} min (every attempt, as scripts/sweep.py records it)",
+        *provenance_lines(design, config, history, commit, sweeps),
+        f"- date: {time.strftime('%Y-%m-%d')}; wall time of the runs: {wall:.0f} min (every attempt, as "
+        "scripts/sweep.py records it)",
         "",
-        "## Verdicts",
+        "## The runs",
         "",
-        f"Paired by seed; interval: two-sided {LEVEL:.0%} Student t interval of the mean difference over the seeds "
-        f"(n - 1 degrees of freedom). holds: the interval lies on the claim's side; refuted: on the other side; "
-        "not resolved at this scale: it straddles.",
+        f"{counted} of {len(sweep.runs)} runs of `{sweep.manifest['name']}` counted (finished, at the replica's commit, "
+        "a clean checkout, the design's eval). A test is decided only with every seed of its arms counted."
+        + ("" if not missing else f" Not counted: {len(missing)}."),
         "",
-        claims_table(found),
+        runs_table(sweep, design),
         "",
-        *[f"- {c.text}: {c.note}" for c in found if c.note],
+        "## Verdicts (pre-set)",
         "",
-        f"![held-out pass@1 per setting]({fig_main.name})",
+        f"Paired by seed; two-sided {design.level:.0%} Student t interval of the mean over the seeds (n - 1 degrees "
+        "of freedom). holds: the interval lies above the threshold; does not hold: below it; not resolved: it "
+        "straddles; missing runs: a seed of the test's arms is not counted (named below). A claim holds when all its "
+        "primary tests hold. L: mean pass@1 over the checkpoints; D: drawdown over them; P: pass@1 at the run's end "
+        f"(after {design.equal_samples} pushes); G: L minus step 0; U: D minus the eval noise's mean drawdown. "
+        "Planned power: at the planning sd of fig2_power.py (for 'matches', if the arms are equal; else at a "
+        f"difference of {design.margin:g}). Eval SE: the eval's binomial standard error of one seed's value.",
         "",
-        "## Every shared checkpoint",
+        verdict_table(decided, claims, design),
         "",
-        checkpoints_table(found),
+        *[f"- {d.test.id} missing: {', '.join(d.missing[:12])}" + (f" and {len(d.missing) - 12} more"
+                                                                    if len(d.missing) > 12 else "")
+          for d in decided if d.missing],
+        *[f"- {d.test.id} per seed: " + ", ".join(f"{x:+.3f}" for x in d.iv.diffs)
+          for d in decided if d.iv.diffs and not d.missing],
         "",
-        "## Per setting",
+        f"![held-out pass@1 per arm]({fig_main.name})" if drawn else "No counted run yet: no figure.",
         "",
-        plot.sweep_table(sweep_dir, manifest, points),
+        "## Every checkpoint (descriptive)",
         "",
-        "## Inside a v-window: v10-i1 by lag",
+        "Not verdicts: the paired difference at each checkpoint, over the counted seeds both arms have.",
+        "",
+        checkpoints_table(points, design),
+        "",
+        "## Per arm (descriptive)",
+        "",
+        plot.sweep_table(sweep.dir, sweep.manifest, points),
+        "",
+        "## Inside a v-window: v10-i1 by lag (descriptive)",
         "",
         "Per lag (`alpha_lag_steps`: optimizer steps since the push that sampled the batch, its place in the "
         "window), each seed's mean over its windows, then mean +- std over seeds. Eq. 4 charges an off-policy "
         "update 2 E TV(pi_k, alpha) (`tv_pik_alpha`, which the instruments split into `tv_staleness` and "
         "`tv_mismatch`) and 2 M sqrt(E TV^2(pi, alpha)), M being `bound_M`.",
         "",
-        lag_table(lags) if points["v10-i1"] else "No v10-i1 run yet.",
+        lag_table(lags) if points.get("v10-i1") else "No counted v10-i1 run yet.",
         "",
         lag_legend(LAG_KEYS),
         "",
-        f"![instruments by lag]({fig_lag.name})" if points["v10-i1"] else "",
+        f"![instruments by lag]({fig_lag.name})" if points.get("v10-i1") else "",
         "",
-        "## How far off policy: the v-sweep",
+        "## How far off policy: the v-sweep (descriptive)",
+        "",
+        (f"Seeds {list(design.vsweep_seeds)}: pass@1 after the same iterations at every v, no verdict."
+         if vs_sweep else "No v-sweep given."),
         "",
         vsweep_table(by_v) if by_v else "No run yet.",
         "",
         f"![pass@1 and pushes against v]({fig_v.name})" if by_v else "",
     ]
     if replay is not None:
-        page += ["", "## Objectives on the v10-i1 recordings", "",
+        page += ["", "## Objectives on the v10-i1 recordings (descriptive)", "",
                  "scripts/compare_objectives.py --follow on the recorded batches: each objective's first-step update "
                  "at the parameters the run had when it trained on the batch, its cosine to the reference's (the "
                  "first objective) and its norm, mean over the batches at each lag (optimizer steps since the push "
                  "that sampled the batch).", "", replay]
     out.write_text("\n".join(page) + "\n")
-    print(claims_table(found))
-    print(f"wrote {out}, {fig_main.name}, {fig_lag.name}, {fig_v.name}")
+    print("\n".join(f"{design_lib.CLAIMS[c]}: {v}" for c, v in claims.items()))
+    print(f"wrote {out} ({counted} of {len(sweep.runs)} runs counted)")
     return 0
 
 

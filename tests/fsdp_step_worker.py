@@ -19,7 +19,6 @@ import json
 import os
 import random
 import sys
-from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -70,11 +69,9 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     ref = train.build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
     optimizer = build_optimizer(policy, cfg.optim)
     memory = parallel.device_memory_bytes(info.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    sync_every, sync_why = gradient_sync_plan(cfg.optim.grad_sync, policy, memory)  # as train.py plans it
-    run = SimpleNamespace(cfg=cfg, dist=info, policy=policy, ref_policy=ref, optimizer=optimizer,
-                          scheduler=build_scheduler(optimizer, 10, cfg.optim), tokenizer=SimpleNamespace(pad_token_id=0),
-                          sample_ahead=train.SampleAhead(),  # nothing sampled ahead
-                          sync_every_micro_batch=sync_every)
+    sync_every, sync_why = gradient_sync_plan(cfg.optim.grad_sync, policy, memory)  # as train.py's set-up plans it
+    run = train.Trainer(cfg=cfg, dist=info, policy=policy, pad_token_id=0, ref_policy=ref, optimizer=optimizer,
+                        scheduler=build_scheduler(optimizer, 10, cfg.optim), sync_every_micro_batch=sync_every)
     plans = [None] * info.world_size
     torch.distributed.all_gather_object(plans, [sync_every, sync_why])  # before any step: seen even if the steps hang
     print(json.dumps({"gradient_sync_plans": plans}), flush=True)
@@ -85,9 +82,10 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
                         masked=batch_kind.removeprefix("grouped-") if "masked" in batch_kind else "", objective=cfg.objective,
                         grouped=batch_kind.startswith("grouped"))
     mbs, denominators, _ = train.plan_batch(run, Rollout(batch, {}, []))
-    cache, losses, norms, entropies, kls = train.BatchCache(), [], [], [], []
+    cache, losses, norms, entropies, kls, instruments = train.BatchCache(), [], [], [], [], []
     for it in range(cfg.grpo.i):
         stats, entropy_sum = train.sgd_iteration(run, mbs, cache, denominators)
+        instruments.append(run.instruments.row(it))  # the registered instruments of the step, all ranks reduced
         grad_norm, finite = train.optimizer_step(run)
         losses.append(float(stats["loss"]))
         kls.append(O.finalize_stats(stats)["kl_mean"])
@@ -102,8 +100,10 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     torch.distributed.all_gather_object(all_shapes, shapes)
     checksum = float(sum(t.double().abs().sum() for t in full.values()))
     return {"losses": losses, "grad_norms": norms, "param_abs_sum": checksum, "entropies": entropies, "kls": kls,
-            "micro_batches": len(mbs), "world_size": info.world_size, "gradient_sync_plans": plans, "shapes": all_shapes, "ref_resharded": ref_resharded,
-            "rows": sum(int(mb.input_ids.shape[0]) for mb in mbs)}  # this rank's (shared-prompt: group rows)
+            "micro_batches": len(mbs), "world_size": info.world_size, "gradient_sync_plans": plans,
+            "shapes": all_shapes, "ref_resharded": ref_resharded,
+            "rows": sum(int(mb.input_ids.shape[0]) for mb in mbs),  # this rank's (shared-prompt: group rows)
+            "instruments": instruments}
 
 
 def report_memory(per_rank: str) -> None:

@@ -5,7 +5,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from grpo import advantages, losses, metrics, registry, rewards, rollout
+from grpo import advantages, instruments, losses, metrics, registry, rewards, rollout
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -16,7 +16,7 @@ def registered(name):
     """Yields the path of examples/<name> (or `name` itself, a path); what loading it registers is
     removed on exit."""
     tables = (losses.LOSSES, losses.CORRECTIONS, advantages.ADVANTAGES, advantages.STEPS, rewards.TERMS,
-              metrics.DECLARED)
+              instruments.INSTRUMENTS, metrics.DECLARED)
     before = [set(t) for t in tables]
     batch_metrics = list(rollout.BATCH_METRICS)
     modules = set(sys.modules)

@@ -133,7 +133,7 @@ def test_a_replay_under_rloo_computes_the_advantages_sampling_would(tmp_path):
                       truncated=False, reward=r, correct=r, adv=adv[j], seq_weight=weight[j]) for j, r in enumerate(rewards)]
     record_batch(tmp_path, 0, 0, 11, Rollout(samples, {}), made_with)
     stream = RecordedStream(tmp_path)
-    stream.check(cfg, made_with)  # as a replay's start-up does
+    stream.check(cfg, made_with, None)  # as a replay's start-up does (no model directory here: weights unchecked)
 
     assert [s.adv for s in stream.rollout(0, 0, cfg).samples] == adv  # the run's own config: as trained on
     rloo = replace(cfg, objective=replace(cfg.objective, advantage="rloo"))

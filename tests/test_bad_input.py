@@ -1,7 +1,11 @@
 """Bad input to train.py: one line on stderr naming the key, file or row, exit code 2, and nothing
 slow started first (each case here fails before the model is sharded or the server launched).
+Data files that do not read (a corrupt, truncated or empty Parquet file, JSON that is not UTF-8, a
+dataset folder without the split or with a file that does not read, a `fetch --out` that cannot be
+written) are refused the same way by every entry point: train.py, eval.py, their --check and
+`python -m grpo.data`.
 
-Each case is a real `python train.py` process (they run side by side to keep this quick).
+Each case is a real process (they run side by side to keep this quick).
 """
 import json
 import os
@@ -27,10 +31,38 @@ def _jsonl(path: Path, rows: list) -> str:
     return str(path)
 
 
+def _parquet(path: Path, rows: int = 40) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": [f"{i}+1?" for i in range(rows)], "answer": [str(i + 1) for i in range(rows)]}),
+                   path)
+    return path
+
+
+def _corrupt(path: Path) -> str:
+    """A Parquet file whose footer is whole and whose pages are not (pyarrow: OSError, not ArrowInvalid)."""
+    data = bytearray(_parquet(path).read_bytes())
+    for i in range(8, len(data) // 2):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    return str(path)
+
+
+def _truncated(path: Path) -> str:
+    data = _parquet(path).read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return str(path)
+
+
 def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
     """name -> (overrides, what the one line must contain)."""
     good = {"question": "1+1?", "answer": "2"}
     return {
+        "corrupt Parquet as data": ([f"data.dataset={_corrupt(tmp / 'corrupt.parquet')}"],
+                                    ["data:", "corrupt.parquet", "not a readable Parquet file"]),
+        "truncated Parquet as eval_data": ([f"eval_data.dataset={_truncated(tmp / 'truncated.parquet')}"],
+                                           ["eval_data:", "truncated.parquet", "not a readable Parquet file"]),
         "hub id without a hub": (["model.path=Qwen/Qwen2.5-0.5B-Instruct"],
                                  ["model.path", "Qwen/Qwen2.5-0.5B-Instruct", "local"]),
         "path that is no directory": (["model.path=/nowhere/at/all/model"], ["model.path", "/nowhere/at/all/model"]),
@@ -47,6 +79,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "nan beta": (["objective.beta=nan"], ["objective.beta"]),
         "context shorter than prompt + completion": (["server.max_model_len=40"],
                                                      ["server.max_model_len", "grpo.max_new_tokens"]),
+        "a knob whose loss is not selected": (["objective.eps_low_is=0.5"],
+                                              ["objective.eps_low_is", "loss cispo", "drop the key"]),
     }
 
 
@@ -70,6 +104,68 @@ def test_each_bad_input_is_one_line_and_exit_2(model_dir, tmp_path):
             assert needle in lines[-1], f"{name}: {needle!r} not in {lines[-1]!r}"
         # nothing slow started: no server was launched, no weights were written
         assert not list((tmp_path / "runs").glob("*/weights*")), name
+
+
+def _data_cases(tmp: Path, model_dir: Path) -> dict[str, tuple[list[str], str, list[str]]]:
+    """name -> (command, where its one line is, what the line must contain): one cause each, through
+    eval.py, train.py --check, eval.py --check and `python -m grpo.data fetch`."""
+    (tmp / "empty.parquet").write_bytes(b"")
+    (tmp / "latin1.jsonl").write_bytes('{"question": "1+1?", "answer": "2"}\n\n{"question": "caf\u00e9 1+1?", '
+                                       '"answer": "2"}\n'.encode("latin-1"))
+    (tmp / "latin1.json").write_bytes('[{"question": "1+1?", "answer": "2"},\n {"question": "\u00e9t\u00e9?", '
+                                      '"answer": "2"}]'.encode("latin-1"))
+    (tmp / "a_file").write_text("")
+    for name, spoil in (("no_test_split", _parquet), ("truncated_inside", _truncated)):
+        (tmp / name / "data").mkdir(parents=True)
+        spoil(tmp / name / "data" / "train-00000-of-00001.parquet")
+    train = [sys.executable, str(ROOT / "train.py"), "--check", "--config", str(ROOT / "configs/tiny_test.yaml"),
+             f"model.path={model_dir}"]
+    evaluate = [sys.executable, str(ROOT / "eval.py"), "--model", str(model_dir), "--out", str(tmp / "eval_out")]
+    fetch = [sys.executable, "-m", "grpo.data", "fetch", "gsm8k_test", "--out"]
+    return {
+        "empty Parquet, eval.py": ([*evaluate, "--dataset", str(tmp / "empty.parquet")], "stderr",
+                                   ["eval.py: error: ", "empty.parquet: not a readable Parquet file (it is empty)"]),
+        "Latin-1 JSONL, train.py --check": ([*train, f"data.dataset={tmp / 'latin1.jsonl'}"], "FAIL",
+                                            ["FAIL  data: ", "latin1.jsonl:3: not UTF-8 text (byte 0xe9 at column 18)"]),
+        "Latin-1 JSON, eval.py --check": ([*evaluate, "--check", "--dataset", str(tmp / "latin1.json")], "FAIL",
+                                          ["FAIL  data: ", "latin1.json:2: not UTF-8 text (byte 0xe9 at column 16)"]),
+        "fetch --out under a file": ([*fetch, str(tmp / "a_file" / "sets")], "stderr",
+                                     ["python -m grpo.data: error: --out ", "a_file/sets: cannot make the folder"]),
+        "fetch --out under /proc": ([*fetch, "/proc/grpo-sets"], "stderr",
+                                    ["python -m grpo.data: error: --out /proc/grpo-sets: cannot make the folder"]),
+        "folder without the split, train.py --check": (
+            [*train, f"data.dataset={tmp / 'no_test_split'}", "data.split=test"], "FAIL",
+            ["FAIL  data: split: ", "no_test_split (split test): ", "'train'"]),
+        "folder with a truncated file, eval.py --check": (
+            [*evaluate, "--check", "--dataset", str(tmp / "truncated_inside")], "FAIL",
+            ["FAIL  data: ", "truncated_inside/data/train-00000-of-00001.parquet: not a readable Parquet file"]),
+    }
+
+
+@pytest.mark.torchrun
+def test_each_unreadable_data_source_is_one_line_naming_the_file(model_dir, tmp_path):
+    """Each entry point refuses a data source that does not read with one line naming the file (and
+    the line), exit 2, nothing started: no traceback, no log line of `datasets` beside it, no output
+    folder. Before, pyarrow's ArrowInvalid / OSError and Python's UnicodeDecodeError were tracebacks
+    (exit 1) or lines naming no file, and `fetch --out` under a file or /proc a traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    cases = _data_cases(tmp_path, model_dir)
+    procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, (cmd, _, _) in cases.items()}
+    for name, (_, where, expected) in cases.items():
+        out, err = procs[name].communicate(timeout=600)
+        assert procs[name].returncode == 2, f"{name}: exit {procs[name].returncode}\n{err[-3000:]}"
+        assert "Traceback" not in err, f"{name}:\n{err[-3000:]}"
+        errors = [line for line in err.splitlines() if line.strip()]
+        if where == "FAIL":  # the dry run: one FAIL line among its decisions, nothing on stderr
+            assert not errors, f"{name}: {errors}"
+            errors = [line for line in out.splitlines() if line.startswith("FAIL")]
+        assert len(errors) == 1, f"{name}: {errors}"
+        assert errors[0].startswith(expected[0]), f"{name}: {errors[0]}"
+        for needle in expected[1:]:
+            assert needle in errors[0], f"{name}: {needle!r} not in {errors[0]!r}"
+    assert not (tmp_path / "eval_out").exists()  # eval.py stopped before its output folder
 
 
 def test_resume_flag_is_accepted_anywhere(model_dir):

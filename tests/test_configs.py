@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from grpo.config import ConfigError, load_config
-from grpo.train_config import TrainConfig
+from grpo.train_config import TrainConfig, eval_reads_training_data
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TRAIN_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("eval_"))
@@ -51,3 +51,32 @@ def test_non_finite_numbers_are_refused(override):
     with pytest.raises(ConfigError) as e:
         load_config(TrainConfig, path, [override])
     assert str(path) in str(e.value) and f"{key}: expected a finite number" in str(e.value)
+
+
+ALIASED = [CONFIGS / "cpu_demo.yaml", CONFIGS / "cpu_fig2.yaml"]  # both write `eval_data: *data`
+
+
+@pytest.mark.parametrize("path", ALIASED, ids=lambda p: p.name)
+def test_an_override_of_data_leaves_the_eval_set_alone_and_the_reverse(path, tmp_path):
+    """A YAML alias (`eval_data: *data`) made both sections one dict: `data.dataset=...` on the
+    command line rewrote the held-out set too (and the reverse, and nested keys). Each section is
+    its own value after loading: an override changes exactly the key it names."""
+    assert "eval_data: *data" in path.read_text()
+    shipped = load_config(TrainConfig, path)
+    assert shipped.eval_data == shipped.data  # the alias still means "the same settings"
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text('{"question": "1 + 1?", "answer": "2"}\n')
+    cfg = load_config(TrainConfig, path, [f"data.dataset={train_file}"])
+    assert cfg.data.dataset == str(train_file) and cfg.eval_data.dataset == shipped.eval_data.dataset == "arithmetic"
+    cfg = load_config(TrainConfig, path, [f"eval_data.dataset={train_file}"])
+    assert cfg.eval_data.dataset == str(train_file) and cfg.data.dataset == "arithmetic"
+    cfg = load_config(TrainConfig, path, ["data.arithmetic.max_operand=7"])
+    assert cfg.data.arithmetic.max_operand == 7
+    assert cfg.eval_data.arithmetic.max_operand == shipped.eval_data.arithmetic.max_operand != 7
+    cfg = load_config(TrainConfig, path, ["eval_data.arithmetic.max_operand=7"])
+    assert cfg.eval_data.arithmetic.max_operand == 7 and cfg.data.arithmetic.max_operand != 7
+    # the run's start-up lines say which data the eval reads while it is the training data's own
+    assert "the eval reads the task's held-out problems" in eval_reads_training_data(shipped)
+    assert eval_reads_training_data(load_config(TrainConfig, path, [f"data.dataset={train_file}"])) is None
+    same_file = load_config(TrainConfig, path, [f"data.dataset={train_file}", f"eval_data.dataset={train_file}"])
+    assert "the eval reads the training problems themselves" in eval_reads_training_data(same_file)

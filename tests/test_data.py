@@ -552,3 +552,19 @@ def test_make_sampler_for_files_and_arithmetic(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a clean file gives no skip warning
         load_problem_set(DataConfig(dataset=str(path)))
+
+
+def test_a_dotted_field_name_reaches_into_nested_rows_from_every_source(hub, tmp_path):
+    """`answer_key: answer.final` names a field inside an object: JSONL and JSON objects, a Parquet
+    struct column and a Hub-layout folder's nested feature all read it the same way."""
+    rows = [{"q": {"text": "What is 2 + 3?"}, "answer": {"final": "5", "steps": "2 + 3"}},
+            {"q": {"text": "What is 7 * 6?"}, "answer": {"final": "42", "steps": "7 * 6"}}]
+    want = [("What is 2 + 3?", "5"), ("What is 7 * 6?", "42")]
+    folder = Path("acme/nested")  # the hub fixture's working directory: a Hub id is its folder
+    _write(folder / "data/train-00000-of-00001.parquet", rows)
+    sources = [str(_write(tmp_path / f"nested.{suffix}", rows)) for suffix in ("jsonl", "json", "parquet")]
+    for dataset in [*sources, "acme/nested"]:
+        cfg = DataConfig(dataset=dataset, question_key="q.text", answer_key="answer.final")
+        assert [(p.prompt, p.answer) for p in load_problems(cfg)] == want, dataset
+    with pytest.raises(DataError, match=r"nested\.jsonl:1: missing field 'answer\.total'"):
+        load_problems(DataConfig(dataset=sources[0], question_key="q.text", answer_key="answer.total"))

@@ -2,10 +2,13 @@
 
 One server is launched for the module; eval.py (a subprocess, the real entry point) attaches to it
 with server.url, and the in-process evaluate() uses its client. A second eval.py launches its own
-server with a start-up deadline it cannot meet, to check the error path.
+server with a start-up deadline it cannot meet, to check the error path. train.py and eval.py
+attaching to it wrongly (a dead port, a wrong or missing token, https to its plain HTTP, a fleet with
+a dead member) check that an attach error is one line, found before anything starts.
 """
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -122,3 +125,67 @@ def test_eval_cli_server_that_cannot_start_is_one_line(tiny_model, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.startswith("eval.py:")]
     assert len(lines) == 1 and "the inference server did not start" in lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def _attach_cases(server, dead: str, tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """name -> (server overrides, what the one line must contain after the entry point's prefix)."""
+    live, token = server.url, f"server.token_file={server.token_file}"
+    wrong = tmp / "wrong_token"
+    wrong.write_text("not-this-servers-token-at-all\n")
+    https = live.replace("http://", "https://")
+    return {
+        "dead port": ([f"server.url={dead}", token],
+                      [f"attaching to {dead}: no healthy answer within server.retry_deadline_s=2 s (connection refused)"]),
+        "wrong token": ([f"server.url={live}", f"server.token_file={wrong}"],
+                        [f"attaching to {live}: the server refuses the token from server.token_file {wrong} (HTTP 401)"]),
+        "no token": ([f"server.url={live}"], [f"attaching to {live}: no token: set server.token_file"]),
+        "token file missing": ([f"server.url={live}", f"server.token_file={tmp / 'nowhere'}"],
+                               [f"attaching to {live}: server.token_file {tmp / 'nowhere'}: No such file or directory"]),
+        "https to plain HTTP": ([f"server.url={https}", token],
+                                [f"attaching to {https}: TLS handshake failed", "is it a plain-HTTP server (http://)?"]),
+        "fleet with a dead member": ([f"server.urls=[{live},{dead}]", token],
+                                     [f"attaching to {dead}: no healthy answer", "(connection refused)"]),
+    }
+
+
+def test_attach_errors_are_one_line_exit_2_and_start_nothing(server, tiny_model, tmp_path, monkeypatch, capsys):
+    """train.py and eval.py attached to the module's server wrongly: each cause is one line naming the
+    URL and what failed, exit 2, found before set-up goes further (no run or output directory), the
+    token checked by an authenticated read (GET /version) and nothing on the server changed. Before:
+    exit 1 and a 63-83 line traceback in train.py, a wrong or missing token noticed only at the first
+    generate, after set-up. Over 60 s on 2 cores: train.py runs as a process per cause, six side by
+    side, each importing torch (eval.py's main() runs in this process meanwhile)."""
+    import eval as eval_script
+
+    version = server.weights_version()
+    monkeypatch.delenv("GRPO_SERVER_TOKEN", raising=False)
+    common = ["server.retry_deadline_s=2", "server.push_mode=bytes"]
+    outcomes = {}
+    with socket.socket() as bound:  # a port where nothing listens, held so that nothing can take it meanwhile
+        bound.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        cases = _attach_cases(server, dead, tmp_path)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+        procs = {name: subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config",
+                                         str(ROOT / "configs/tiny_test.yaml"), f"model.path={tiny_model}",
+                                         f"log.out_dir={tmp_path / 'runs'}", *common, *overrides],
+                                        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for name, (overrides, _) in cases.items()}
+        for name, (overrides, _) in cases.items():
+            capsys.readouterr()
+            code = eval_script.main(["--model", str(tiny_model), "--dataset", "arithmetic", "--out",
+                                     str(tmp_path / "eval"), *common, *overrides])
+            outcomes["eval.py", name] = code, capsys.readouterr().err
+        for name, proc in procs.items():
+            _, err = proc.communicate(timeout=600)
+            outcomes["train.py", name] = proc.returncode, err
+    for (entry, name), (code, err) in outcomes.items():
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and "Traceback" not in err, f"{entry}, {name}: exit {code}\n{err[-3000:]}"
+        assert len(lines) == 1, f"{entry}, {name}: {lines}"
+        prefix = "config error: " if entry == "train.py" else "eval.py: error: "
+        assert lines[0].startswith(prefix), f"{entry}, {name}: {lines[0]}"
+        for needle in cases[name][1]:
+            assert needle in lines[0], f"{entry}, {name}: {needle!r} not in {lines[0]!r}"
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "eval").exists()  # nothing set up, nothing written
+    assert server.weights_version() == version and server.is_alive()  # nothing on the server changed

@@ -92,7 +92,7 @@ def test_resume_inside_a_v_window_samples_from_alpha_again(model_dir, tmp_path, 
     extra = {"default_root": [], "explicit_root": [f"server.weights_root={tmp_path / 'wroot'}"],
              "bytes": ["server.push_mode=bytes"]}[mode]
     common = ["grpo.S=1", "grpo.M=6", "grpo.v=3", "grpo.i=1", "checkpoint.every=2", "checkpoint.keep_last=3",
-              "eval_data=null", "grpo.sample_ahead=true", *extra]  # on: a CPU machine's default is off
+              "eval_data=null", "grpo.sample_ahead=true", "log.save_rollouts=true", *extra]  # on: a CPU's default is off
     full = subprocess.run(train_cmd(1, model_dir, tmp_path, "full", *common), cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=900)
     assert full.returncode == 0, full.stderr[-4000:]
@@ -105,6 +105,10 @@ def test_resume_inside_a_v_window_samples_from_alpha_again(model_dir, tmp_path, 
     shutil.copytree(tmp_path / "full", tmp_path / "crash", symlinks=True)
     shutil.rmtree(tmp_path / "crash" / "checkpoints" / "step_6")
     shutil.rmtree(tmp_path / "crash" / "final")
+    from grpo.recording import batch_path, recorded_weights
+
+    for k in (4, 5):  # what the resumed run records of them is its own
+        batch_path(tmp_path / "crash", 0, k).unlink()
     resumed = subprocess.run(train_cmd(1, model_dir, tmp_path, "crash", *common, "--resume"), cwd=ROOT,
                              env=env(), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -117,6 +121,11 @@ def test_resume_inside_a_v_window_samples_from_alpha_again(model_dir, tmp_path, 
                     "weights_version", "tv_staleness", "kl_staleness", "tv_mismatch"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
     assert b[5]["weights_version"] == 1 and b[5]["tv_staleness"] > 0  # lagged: scored with the saved copy
+    # the resumed run records batches 4 and 5 with the fingerprint of alpha as the checkpoint kept it,
+    # the one the uninterrupted run recorded from its push
+    for k in (4, 5):
+        assert recorded_weights(batch_path(tmp_path / "crash", 0, k)) == recorded_weights(batch_path(tmp_path / "full", 0, k))
+    assert json.loads(recorded_weights(batch_path(tmp_path / "crash", 0, 4))["weights"])["version"] == 1
     if mode == "default_root":
         _check_sample_ahead_changes_nothing(model_dir, tmp_path, common, a)
         _check_server_deaths_change_nothing(model_dir, tmp_path, common, a)

@@ -1,62 +1,105 @@
-"""scripts/fig2_report.py: the verdict of each Fig. 2 claim computed from a sweep's runs (synthetic
-run directories laid out as scripts/sweep.py lays them out, with the rows train.py writes)."""
+"""scripts/fig2_report.py: every pre-set test of the Fig. 2 replica decided from a sweep's runs
+(synthetic run directories laid out as scripts/sweep.py and train.py lay them out: metrics.jsonl,
+config.yaml, provenance.jsonl, final/), the runs it cannot count named, and the page built from them."""
 import json
 import math
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import fig2_report as report  # noqa: E402
 
-POINTS = {"v1-i1": ["eval_every=5"], "v1-i1-mask": ["objective.mask_zero_variance=true"],
-          "v10-i1": ["grpo.v=10", "eval_every=10"], "v1-i10": ["grpo.i=10", "grpo.M=5", "eval_every=1"]}
-STEPS = {"v1-i1": range(0, 51, 5), "v1-i1-mask": range(0, 51, 5), "v10-i1": range(0, 51, 10), "v1-i10": range(0, 51, 10)}
+DESIGN = report.design_lib.load_design()
+HEAD = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+OVERRIDES = {"v1-i1": [], "v1-i1-b5": ["grpo.M=5"], "v1-i1-mask": ["objective.mask_zero_variance=true"],
+             "v1-i1-beta0": ["objective.beta=0"], "v10-i1": ["grpo.v=10"], "v1-i10": ["grpo.i=10", "grpo.M=5"],
+             "v2": ["grpo.v=2"]}
 
 
-def pushes_at(point: str, step: int) -> int:
-    if point == "v10-i1":
-        return step // 10
-    if point == "v1-i10":
-        return step // 10
-    return step
+def eval_steps(arm: str) -> list[int]:
+    return [0, 5] if arm == "v1-i1-b5" else [0, 10, 20, 30, 40, 50]
 
 
-def write_sweep(root: Path, curves: dict, name: str = "fig2") -> Path:
-    """curves: {point: {seed: f(step) -> pass@1}}; a finished run per (point, seed), eval rows at the
-    point's checkpoints and, for v10-i1, one train row per iteration with the lag instruments."""
+def pushes_at(arm: str, step: int) -> int:
+    return step // 10 if arm in ("v10-i1", "v1-i10") else step // 2 if arm == "v2" else step
+
+
+def write_run(sweep: Path, arm: str, seed: int, f, *, finished=True, commit=HEAD, dirty=False, k=16,
+              provenance=True, started=None, last_step=None):
+    """A run of `arm` at `seed` whose held-out pass@1 at step s is f(s); for v10-i1, train rows with the
+    lag instruments."""
+    run = sweep / f"{arm}-s{seed}"
+    run.mkdir(parents=True)
+    if finished:
+        (run / "final").mkdir()
+    rows = []
+    for step in eval_steps(arm):
+        if last_step is not None and step > last_step:
+            break
+        rows.append({"step": step, "eval/pass@1": f(step), "eval/weights_version": pushes_at(arm, step),
+                     "eval/n_samples": 100 * k})
+        if arm == "v10-i1" and step < 50:
+            for i in range(step, step + 10):
+                lag = i % 10
+                rows.append({"step": i + 1, "iteration": i, "sgd_iteration": 0, "loss": 0.0, "alpha_lag_steps": lag,
+                             "weights_version": i // 10, "reward_mean": 0.5, "tv_staleness": 0.01 * lag,
+                             "tv_mismatch": 0.002, "tv_pik_alpha": 0.002 + 0.01 * lag,
+                             "is_weight_ess": 1 - 0.01 * lag, "clip_frac_adv_pos": 0.0,
+                             "clip_frac_adv_neg": 0.001 * lag, "bound_M": 2.0, "bound_M_nonzero": 1.5})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "eval": {"n_problems": 100, "k": k}}))
+    if provenance:
+        start = time.time() if started is None else started
+        line = {"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(start)), "started_unix": start,
+                "commit": commit, "dirty": dirty, "changed": ["train.py"] if dirty else [],
+                "machine": {"cpu": "AMD EPYC 7B13", "cpu_kind": "AVX2 only", "cores": 2, "usable_cores": 2}}
+        (run / "provenance.jsonl").write_text(json.dumps(line) + "\n")
+    return run
+
+
+def write_sweep(root: Path, curves: dict, name: str = "fig2", seeds=DESIGN.seeds, **special) -> Path:
+    """curves: {arm: f(seed) -> f(step) -> pass@1}: a counted run per arm and seed, except those named in
+    `special` ({run name: write_run keyword arguments}, or None: not started)."""
     sweep = root / name
     runs = []
-    for point, seeds in curves.items():
-        for seed, f in seeds.items():
-            run = f"{point}-s{seed}"
-            runs.append({"name": run, "point": point, "seed": seed, "overrides": POINTS[point]})
-            (sweep / run / "final").mkdir(parents=True)
-            rows = []
-            for step in STEPS[point]:
-                rows.append({"step": step, "eval/pass@1": f(step), "eval/weights_version": pushes_at(point, step)})
-                if point == "v10-i1" and step < 50:
-                    for k in range(step, step + 10):
-                        lag = k % 10
-                        rows.append({"step": k + 1, "iteration": k, "sgd_iteration": 0, "loss": 0.0, "alpha_lag_steps": lag,
-                                     "weights_version": k // 10, "reward_mean": 0.5, "tv_staleness": 0.01 * lag,
-                                     "tv_mismatch": 0.002, "tv_pik_alpha": 0.002 + 0.01 * lag,
-                                     "is_weight_ess": 1 - 0.01 * lag, "clip_frac_adv_pos": 0.0,
-                                     "clip_frac_adv_neg": 0.001 * lag, "bound_M": 2.0, "bound_M_nonzero": 1.5})
-            (sweep / run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    manifest = {"name": name, "config": "configs/cpu_fig2.yaml", "seeds": sorted({r["seed"] for r in runs}),
-                "points": [{"name": p, "overrides": POINTS[p]} for p in curves], "runs": runs}
+    for seed in seeds:
+        for arm, curve in curves.items():
+            runs.append({"name": f"{arm}-s{seed}", "point": arm, "seed": seed, "overrides": OVERRIDES[arm]})
+            kwargs = special.get(f"{arm}-s{seed}", {})
+            if kwargs is not None:
+                write_run(sweep, arm, seed, curve(seed), **kwargs)
+    manifest = {"name": name, "config": "configs/cpu_fig2.yaml", "seeds": list(seeds),
+                "points": [{"name": a, "overrides": OVERRIDES[a]} for a in curves], "runs": runs}
+    sweep.mkdir(parents=True, exist_ok=True)
     (sweep / "sweep.json").write_text(json.dumps(manifest))
     return sweep
 
 
-def linear(gain: float, start: float = 0.2):
-    return lambda step: start + gain * step / 50
+def rising(top: float, start: float = 0.2, speed: float = 0.1, dip=None, noise=0.0):
+    """A curve rising from `start` toward `top` at rate `speed` per step, with `noise` varying by seed and a dip."""
+    def per_seed(seed):
+        def f(step):
+            p = top - (top - start) * math.exp(-speed * step) + noise * ((seed * 7 + step) % 5 - 2) / 2
+            return min(1.0, max(0.0, p - (dip if dip and step == 30 else 0.0)))
+        return f
+    return per_seed
 
 
-@pytest.mark.parametrize("df, expected", [(1, 12.706), (2, 4.303), (4, 2.776), (10, 2.228)])
+def standard(**changes) -> dict:
+    curves = {"v1-i1": rising(0.85, dip=0.1, noise=0.01), "v1-i1-b5": rising(0.85, noise=0.01),
+              "v1-i1-mask": rising(0.95, noise=0.01), "v1-i1-beta0": rising(0.9, noise=0.01),
+              "v10-i1": rising(0.86, speed=0.09, noise=0.01), "v1-i10": rising(0.6, speed=0.03, noise=0.02)}
+    curves.update(changes)
+    return curves
+
+
+@pytest.mark.parametrize("df, expected", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (10, 2.228)])
 def test_t_quantile_matches_the_tables(df, expected):
     assert report.t_quantile(0.975, df) == pytest.approx(expected, abs=2e-3)
 
@@ -67,63 +110,138 @@ def test_interval_and_verdicts_by_hand():
     assert report.verdict(iv) == report.HOLDS
     assert report.verdict(report.Interval.of([0.1, 0.2, 0.3])) == report.OPEN  # 0.2 +- 0.248 straddles 0
     assert report.verdict(report.Interval.of([-0.2, -0.25, -0.3])) == report.REFUTED
-    assert report.verdict(report.Interval.of([-0.1, 0.2, 0.05])) == report.OPEN
     assert report.verdict(report.Interval.of([0.5])) == report.OPEN  # one seed: no interval, nothing decided
-    # non-inferiority: a small deficit within the margin holds, a large one is refuted
-    assert report.verdict(report.Interval.of([-0.01, -0.02, -0.015]), margin=0.05) == report.HOLDS
-    assert report.verdict(report.Interval.of([-0.2, -0.25, -0.22]), margin=0.05) == report.REFUTED
-    assert report.either(report.OPEN, report.HOLDS) == report.HOLDS
-    assert report.either(report.REFUTED, report.REFUTED) == report.REFUTED
-    assert report.either(report.REFUTED, report.OPEN) == report.OPEN
+    # "matches": threshold -margin
+    assert report.verdict(report.Interval.of([-0.01, -0.02, -0.015]), -0.05) == report.HOLDS
+    assert report.verdict(report.Interval.of([-0.2, -0.25, -0.22]), -0.05) == report.REFUTED
+    assert report.all_of([report.HOLDS, report.HOLDS]) == report.HOLDS
+    assert report.all_of([report.HOLDS, report.OPEN]) == report.OPEN
+    assert report.all_of([report.OPEN, report.REFUTED]) == report.REFUTED
+    assert report.all_of([report.REFUTED, report.MISSING]) == report.MISSING
+    assert report.all_of(["pending: needs issue 49's modes", report.HOLDS]) == report.PENDING
 
 
-def test_drawdown_is_the_largest_fall_after_a_peak():
-    rows = [{"step": s, "eval/pass@1": p} for s, p in [(0, 0.2), (5, 0.6), (10, 0.3), (15, 0.7), (20, 0.5)]]
-    assert report.drawdown(rows) == pytest.approx(0.3)
-    assert report.drawdown(rows, at=[0, 5, 15, 20]) == pytest.approx(0.2)  # without the checkpoint at 10
-    assert report.drawdown([{"step": s, "eval/pass@1": 0.1 * s} for s in range(5)]) == 0.0
+def test_the_metrics_by_hand():
+    rows = [{"step": s, "eval/pass@1": p, "eval/n_samples": 1600}
+            for s, p in [(0, 0.2), (10, 0.6), (20, 0.8), (30, 0.7), (40, 0.9), (50, 0.8)]]
+    at = [10, 20, 30, 40, 50]
+    assert report.learning(rows, at) == pytest.approx(0.76)
+    assert report.drawdown(rows, at) == pytest.approx(0.1)  # 0.8 -> 0.7 and 0.9 -> 0.8
+    assert report.drawdown(rows, [10, 20, 30, 40, 60]) is None  # a checkpoint the run lacks
+    t = {x.id: x for x in report.design_lib.TESTS}
+    assert report.value(t["a1"], rows, DESIGN) == pytest.approx(0.76 - 0.2)
+    floor = 1.88 * math.sqrt(0.76 * 0.24 / 1600)  # the flat curve's mean drawdown at this level
+    assert report.value(t["a2"], rows, DESIGN) == pytest.approx(0.1 - floor, abs=2e-4)
+    ends = rows + [{"step": 5, "eval/pass@1": 0.5, "eval/weights_version": 5}]
+    assert report.value(t["d1"], ends, DESIGN) == 0.5
+    assert report.value(t["d1"], rows, DESIGN) is None  # its last eval is not after 5 pushes
+    # the eval's standard error of one seed's L difference: sqrt(sum of p(1-p) over both arms' checkpoints / 1600) / 5
+    runs = {"v10-i1": [rows], "v1-i1": [rows]}
+    se = report.eval_se(t["c1"], runs, DESIGN)
+    assert se == pytest.approx(math.sqrt(2 * sum(p * (1 - p) for p in (0.6, 0.8, 0.7, 0.9, 0.8)) / 1600) / 5)
 
 
-def test_the_page_states_each_claims_verdict_from_the_runs(tmp_path):
-    """v10-i1 a little ahead of v1-i1 in every seed (holds), masking ahead at the end in no seed and
-    with a deeper fall in every seed (refuted), v1-i10 behind in one seed and ahead in two (not
-    resolved); the page carries those verdicts, the per-lag table and the v-sweep."""
-    wobbly = lambda gain, dip: lambda s: linear(gain)(s) - (dip if s == 30 else 0.0)  # noqa: E731
-    curves = {
-        "v1-i1": {s: wobbly(0.5, 0.05) for s in (0, 1, 2)},
-        "v1-i1-mask": {0: wobbly(0.40, 0.30), 1: wobbly(0.42, 0.25), 2: wobbly(0.38, 0.35)},
-        "v10-i1": {0: linear(0.52), 1: linear(0.53), 2: linear(0.51)},
-        "v1-i10": {0: linear(0.6), 1: linear(0.3), 2: linear(0.55)},
-    }
-    sweep = write_sweep(tmp_path, curves)
+def test_the_page_decides_every_pre_set_test_from_complete_runs(tmp_path):
+    sweep = write_sweep(tmp_path, standard())
+    vsweep = write_sweep(tmp_path, {"v2": rising(0.8)}, name="fig2-v", seeds=DESIGN.vsweep_seeds,
+                         **{"v2-s12": {"finished": False, "last_step": 20}})
     out = tmp_path / "docs" / "fig2_cpu.md"
-    assert report.main(["--sweep", str(sweep), "--out", str(out)]) == 0
-    found = report.claims(report.plot.load_sweep(sweep)[1])
-    assert [c.verdict for c in found] == [report.HOLDS, report.REFUTED, report.OPEN]
+    assert report.main(["--sweep", str(sweep), "--vsweep", str(vsweep), "--out", str(out)]) == 0
+    design = DESIGN
+    loaded = report.load_sweep(sweep, design.runnable(), design.seeds, "--sweep")
+    report.check_runs([loaded], design, HEAD)
+    assert all(r.counted for r in loaded.runs.values())
+    planned = {p.test.id: p for p in report.design_lib.plan(design)}
+    decided = {t.id: report.decide(t, loaded, design, planned) for t in report.design_lib.TESTS}
+    verdicts = {k: d.verdict for k, d in decided.items()}
+    assert verdicts["a1"] == verdicts["a2"] == report.HOLDS  # learns; the 0.1 dip at step 30 is beyond noise
+    assert verdicts["b1"] == verdicts["b2"] == report.HOLDS  # the mask is higher and never falls
+    assert verdicts["c1"] == report.HOLDS  # v10-i1 a little slower, within the margin
+    assert verdicts["c2"] == report.HOLDS
+    assert verdicts["d2"] == report.HOLDS  # v1-i10 far behind per step
+    assert verdicts["d1"] == report.REFUTED  # ...but ahead after the same 5 batches (the b5 arm is at step 5)
+    assert verdicts["k1"] == report.HOLDS
+    assert verdicts["e1"].startswith("pending: needs issue 49")
+    claims = report.claim_verdicts(list(decided.values()))
+    assert claims == {"a": report.HOLDS, "b": report.HOLDS, "c": report.HOLDS, "d": report.REFUTED,
+                      "control": report.HOLDS, "lag1": report.PENDING, "drift-push": report.PENDING}
+    assert len(decided["c1"].iv.diffs) == 10 and decided["c1"].planned.power == pytest.approx(0.838, abs=1e-3)
     page = out.read_text()
-    for c in found:
-        assert f"| {c.text} | **{c.verdict}** |" in page
-    v10 = found[0]
-    assert v10.decided_by[0].at == "step 50" and v10.decided_by[0].iv.diffs == pytest.approx([0.02, 0.03, 0.01])
-    assert v10.decided_by[1].at == "pushes 5"  # v10-i1 after 5 pushes (its end) against v1-i1 after 5 (step 5)
-    assert "| 9 | 0.5 +- 0 | 0.092 +- " in page  # lag 9: tv_pik_alpha = tv_mismatch + staleness
-    assert "- `tv_staleness` (bound/, `grpo.staleness`): the part that is staleness" in page  # its declaration
-    lags = report.by_lag(report.plot.load_sweep(sweep)[1]["v10-i1"], 10)
-    assert [round(m, 6) for m, _, _ in lags["tv_staleness"]] == [0.01 * lag for lag in range(10)]
-    assert all(n == 3 for _, _, n in lags["is_weight_ess"])
+    assert "60 of 60 runs of `fig2` counted" in page
+    assert f"| **{report.design_lib.CLAIMS['c']}** | | | | | | **holds** | | |" in page
+    assert "| | c1: off-policy v10-i1 matches or beats v1-i1" in page and "| 10 of 10 |" in page
+    assert f"the runs' code commit: {HEAD}" in page and "2 x AMD EPYC 7B13 (AVX2 only) (62 starts)" in page
+    assert "bbea659" in page and "6cd80e9" in page  # the first replica's rule, named
+    design_commit = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h", HEAD, "--",
+                                    "configs/designs/fig2_cpu.yaml"], capture_output=True, text=True).stdout.strip()
+    assert f"`configs/designs/fig2_cpu.yaml` fixed by: {design_commit} (" in page
+    assert "design not traceable" not in page
+    assert "| lag1 | 0 of 10 | pending: needs issue 49's modes (grpo.lag) |" in page
+    assert "## Every checkpoint (descriptive)" in page and "| 9 | 0.5 +- 0 | 0.092 +- " in page  # the lag table
+    # the v-sweep beside v1-i1 and v10-i1: v2's seeds 10 and 11 at step 50, seed 12 (at step 20) listed apart
+    assert "| 2 | 2 | 0.796 (0.796-0.796) | 25.0 | 20: 0.719 |" in page
+    assert "- c1 per seed: " + ", ".join(f"{x:+.3f}" for x in decided["c1"].iv.diffs) in page
     for figure in ("fig2_cpu.png", "fig2_cpu_lag.png", "fig2_cpu_vsweep.png"):
         assert (out.parent / figure).stat().st_size > 0
 
 
-def test_v10_far_behind_is_refuted_and_batch_reuse_behind_holds(tmp_path):
-    curves = {
-        "v1-i1": {s: linear(0.6) for s in (0, 1, 2)},
-        "v1-i1-mask": {s: linear(0.6) for s in (0, 1, 2)},
-        "v10-i1": {0: linear(0.2), 1: linear(0.25), 2: linear(0.3)},
-        "v1-i10": {0: linear(0.1), 1: linear(0.05), 2: linear(0.12)},
-    }
-    found = report.claims(report.plot.load_sweep(write_sweep(tmp_path, curves))[1])
-    assert [c.verdict for c in found] == [report.REFUTED, report.OPEN, report.HOLDS]  # masking: equal, no interval width
+def test_a_missing_run_is_named_and_its_tests_wait_for_it(tmp_path):
+    """v10-i1-s11 stopped at step 40 (evaluated up to 30, no final/), v1-i10-s12 not started: every test of those arms says
+    which run it misses instead of deciding over 9 seeds; the others are decided."""
+    sweep = write_sweep(tmp_path, standard(), **{"v10-i1-s11": {"finished": False, "last_step": 30},
+                                                 "v1-i10-s12": None})
+    out = tmp_path / "page.md"
+    assert report.main(["--sweep", str(sweep), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "58 of 60 runs of `fig2` counted" in page
+    assert "| v10-i1 | 9 of 10 | s11: stopped at step 40 |" in page and "| v1-i10 | 9 of 10 | s12: not started |" in page
+    assert "- c1 missing: v10-i1-s11 (stopped at step 40)" in page
+    assert "- d1 missing: v1-i10-s12 (not started)" in page
+    assert "| | c1: off-policy v10-i1 matches or beats v1-i1: mean pass@1 over the checkpoints, not below by the " \
+           "margin | `L(v10-i1) - L(v1-i1)` | 9 of 10 |" in page
+    rows = [line for line in page.splitlines() if line.startswith("| | c1:") or line.startswith("| | b1:")]
+    assert "| missing runs |" in rows[1] and "| holds |" in rows[0]  # b1 comes first: it has every run
+    assert f"| **{report.design_lib.CLAIMS['c']}** | | | | | | **missing runs** |" in page
+
+
+def test_runs_of_another_commit_a_changed_checkout_or_another_eval_are_not_counted(tmp_path):
+    other = "0123456789abcdef0123456789abcdef01234567"
+    sweep = write_sweep(tmp_path, standard(), **{
+        "v1-i1-mask-s13": {"commit": other}, "v1-i1-beta0-s14": {"dirty": True},
+        "v1-i10-s15": {"provenance": False}, "v10-i1-s16": {"k": 4},
+        "v1-i1-s10": {"started": time.time() - 3600}})  # the earliest start: its commit is the replica's
+    out = tmp_path / "page.md"
+    assert report.main(["--sweep", str(sweep), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert f"s13: ran 0123456, not the replica's {HEAD[:7]}" in page
+    assert "s14: a changed checkout (train.py)" in page
+    assert "s15: no provenance.jsonl (run before train.py recorded its commit)" in page
+    assert "s16: eval 100 x 4, not the design's 100 x 16" in page
+    assert "56 of 60 runs of `fig2` counted" in page
+    for test in ("b1", "k1", "d1", "c1"):
+        assert f"- {test} missing: " in page
+
+
+def test_a_design_changed_after_the_first_run_started_is_flagged(tmp_path):
+    sweep = write_sweep(tmp_path, standard(), **{"v1-i1-s10": {"started": 1_000_000.0}})  # 1970
+    out = tmp_path / "page.md"
+    assert report.main(["--sweep", str(sweep), "--out", str(out)]) == 0
+    assert "- **design not traceable**: configs/designs/fig2_cpu.yaml changed at " in out.read_text()
+    assert "after the first run started (1970-01-12 13:46 UTC): the design was not fixed before its runs" \
+        in out.read_text()
+
+
+def test_a_sweep_of_other_seeds_or_arms_is_refused(tmp_path, capsys):
+    sweep = write_sweep(tmp_path, standard(), seeds=(0, 1, 2))
+    assert report.main(["--sweep", str(sweep), "--out", str(tmp_path / "p.md")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"fig2_report.py: error: {sweep}/sweep.json: seeds [0, 1, 2] are not the design's {list(DESIGN.seeds)}"
+    curves = standard()
+    del curves["v1-i1-beta0"]
+    sweep = write_sweep(tmp_path, curves, name="other")
+    assert report.main(["--sweep", str(sweep), "--out", str(tmp_path / "p.md")]) == 2
+    assert "points ['v1-i1', 'v1-i1-b5', 'v1-i1-mask', 'v10-i1', 'v1-i10'] are not the design's arms" \
+        in capsys.readouterr().err
 
 
 def test_the_replay_table_is_by_lag_and_needs_followed_rows(tmp_path):
@@ -141,39 +259,10 @@ def test_the_replay_table_is_by_lag_and_needs_followed_rows(tmp_path):
         report.replay_table([tmp_path])
 
 
-def test_a_sweep_part_way_makes_a_page_that_decides_nothing_it_lacks(tmp_path):
-    """Seed 0 of v1-i1 and v1-i1-mask finished, nothing of v10-i1 and v1-i10 (a sweep killed early,
-    --partial): the page is written, every claim without two seeds is not resolved."""
-    curves = {"v1-i1": {0: linear(0.5)}, "v1-i1-mask": {0: linear(0.6)}, "v10-i1": {}, "v1-i10": {}}
-    sweep = write_sweep(tmp_path, curves)
-    out = tmp_path / "page.md"
-    assert report.main(["--sweep", str(sweep), "--out", str(out)]) == 0
-    assert [c.verdict for c in report.claims(report.plot.load_sweep(sweep)[1])] == [report.OPEN] * 3
-    assert "No v10-i1 run yet." in out.read_text() and not (tmp_path / "page_lag.png").exists()
-
-
-def test_a_run_in_progress_without_its_partner_does_not_move_the_checkpoint(tmp_path):
-    """--partial mid-sweep: seed 2 of v1-i1 has reached step 10, seed 2 of the other settings has not
-    started. Each claim is decided over the seeds both settings have (0 and 1) at the last checkpoint
-    those runs share, step 50, not at the in-progress run's step 10."""
-    curves = {
-        "v1-i1": {s: linear(0.5) for s in (0, 1, 2)},
-        "v1-i1-mask": {0: linear(0.6), 1: linear(0.62)},
-        "v10-i1": {0: linear(0.52), 1: linear(0.53)},
-        "v1-i10": {0: linear(0.2), 1: linear(0.25)},
-    }
-    points = report.plot.load_sweep(write_sweep(tmp_path, curves))[1]
-    points["v1-i1"][2] = [r for r in points["v1-i1"][2] if r["step"] <= 10]  # in progress
-    v10, mask, reuse = report.claims(points)
-    for claim, diffs in ((v10, [0.02, 0.03]), (mask, [0.1, 0.12]), (reuse, [0.3, 0.25])):
-        assert claim.decided_by[0].at == "step 50", claim.text
-        assert claim.decided_by[0].iv.diffs == pytest.approx(diffs), claim.text
-
-
 def test_the_v_sweep_compares_runs_at_the_end_and_lists_a_run_in_progress_apart(tmp_path):
-    """--partial mid v-sweep: v2's seed 1 has been evaluated up to step 20 only. Its pass@1 there is
-    not a pass@1 after the same iterations: the table lists it apart, and the means (and the figure's)
-    are over the runs evaluated at step 50."""
+    """v2's seed 1 has been evaluated up to step 20 only. Its pass@1 there is not a pass@1 after the same
+    iterations: the table lists it apart, and the means (and the figure's) are over the runs evaluated at
+    step 50."""
     def run(v, last_step, final):
         return [{"step": s, "eval/pass@1": final if s == last_step else 0.2, "eval/weights_version": s // v}
                 for s in range(0, last_step + 1, 10)]

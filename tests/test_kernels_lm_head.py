@@ -223,3 +223,52 @@ def test_the_weight_gradient_accumulates_in_fp32_under_either_addmm_contract(mon
     monkeypatch.setattr(lh, "ADDMM_ACCUMULATES_IN_OUT_DTYPE", None)
     with pytest.raises(RuntimeError, match="illegal memory access"):  # not a contract refusal: raised as it is
         lh.accumulate_out_dtype(start.clone(), a, b, addmm=broken_addmm, mm=out_dtype_mm)
+
+
+def test_the_weight_gradient_is_written_slab_by_slab_without_a_full_accumulator():
+    """lm_head_logprobs' backward goes over slabs of the vocabulary: each slab of the weight
+    gradient is one GEMM over all tokens, written once. So the only [V, H] tensor the backward
+    makes is the gradient itself; the token-chunked backward before it summed every chunk into an
+    fp32 [V, H] accumulator (519 MB at Qwen2.5-0.5B's size) and cast that at the end. Recorded op
+    by op with a dispatch mode; the values are test_fused_matches_naive's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    n_tokens, hidden_size, vocab = 64, 16, 1000
+    hidden = torch.randn(n_tokens, hidden_size, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, requires_grad=True)
+    targets = torch.randint(0, vocab, (n_tokens,))
+    logp, _ = kernels.lm_head_logprobs(hidden, weight, targets, 1.0, chunk_tokens=16, backend="torch")
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.outputs = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.outputs.append((str(func), tuple(t.shape)))
+            return out
+
+    with Shapes() as mode:
+        logp.sum().backward()
+    full = [name for name, shape in mode.outputs if shape == (vocab, hidden_size) and "detach" not in name]
+    assert full == ["aten.empty.memory_format"], full  # the gradient's own allocation, then only its slabs
+    slabs = {shape[1] for name, shape in mode.outputs if len(shape) == 2 and shape[0] == n_tokens and shape[1] > hidden_size}
+    assert max(slabs) < vocab and len(slabs) >= 1  # dlogits by slabs of the vocabulary, never [N, V]
+    assert kernels.lm_head.slab_columns(n_tokens, hidden_size, vocab, 16) * (6 * n_tokens + 4 * hidden_size) \
+        <= 4 * 16 * vocab + 128 * (6 * n_tokens + 4 * hidden_size)  # a slab's temporaries ~ one forward chunk
+
+
+def test_slab_columns_keep_the_backward_within_one_forward_chunk():
+    from kernels.lm_head import slab_columns
+
+    # Qwen2.5-0.5B: H = 896, V = 151936, chunks of 256 tokens (a 155.6 MB fp32 forward block)
+    for n in (1, 256, 2048, 16384):
+        cols = slab_columns(n, 896, 151936, 256)
+        assert cols % 128 == 0 and 128 <= cols <= 151936
+        if cols > 128:
+            assert cols * (6 * n + 4 * 896) <= 4 * 256 * 151936
+    assert slab_columns(2048, 896, 151936, 256) == 9728

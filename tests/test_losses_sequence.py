@@ -216,7 +216,8 @@ def test_objective_of_hidden_is_the_head_then_objective(backend, loss):
     logp_alpha = logp_k + 0.1 * torch.randn(n)
     adv = torch.tensor([1.0, -0.5, 0.7])[seq_index]
     weights = torch.tensor([1 / 4, 1.0, 1 / 5])[seq_index] / n_seqs
-    cfg = ObjectiveConfig(loss=loss, ratio_anchor="exact", beta=0.05, gspo_eps_low=0.05, gspo_eps_high=0.05)
+    gspo_band = {"gspo_eps_low": 0.05, "gspo_eps_high": 0.05} if loss.startswith("gspo") else {}  # only GSPO reads it
+    cfg = ObjectiveConfig(loss=loss, ratio_anchor="exact", beta=0.05, **gspo_band)
     config = KernelConfig(backend=backend, loss_block=32, rows_per_program=8, block_v=64, chunk_tokens=4)
     loss_value, stats, logp, entropy = objective_of_hidden(
         hidden, weight, targets, logp_alpha, logp_k, logp_now - 0.1, adv, weights, cfg, seq_index=seq_index,

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from grpo.models import load_tokenizer
 from grpo.parallel import RankWatchdog, _start_time, _this_process
-from grpo.recording import model_and_tokenizer, record_batch
+from grpo.recording import model_and_tokenizer, record_batch, sampled_by, weights_fingerprint
 from grpo.rollout import Rollout, Sample
 from tiny_models import make_tiny_model_dir
 
@@ -122,7 +122,8 @@ def recorded(tmp_path_factory):
     model_dir = make_tiny_model_dir(base / "model", arch="qwen2")
     tok = load_tokenizer(model_dir)
     rng = random.Random(0)
-    made_with = model_and_tokenizer(model_dir, tok)  # what a replay checks the recording against
+    # what a replay checks the recording against: the model, tokenizer and the weights (version 0) that sampled it
+    made_with = {**model_and_tokenizer(model_dir, tok), **sampled_by(0, weights_fingerprint(model_dir))}
     for k in range(4):
         samples = []
         for group, prompt in enumerate([f"What is {k} + 1?", f"What is {k} + 2?"]):

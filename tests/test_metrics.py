@@ -116,6 +116,25 @@ def test_docs_tables_are_the_declarations():
     assert all(m.section in metrics.SECTIONS for m in metrics.DECLARED.values())
 
 
+def test_generated_docs_include_the_plugins_a_config_names(tmp_path, capsys):
+    """`python -m grpo.metrics` imported only the library: a user's keys never reached their docs.
+    --config imports the plugins a config names, --plugins the ones given; --write fills a file's block."""
+    from plugins import EXAMPLES, registered
+
+    config = tmp_path / "mine.yaml"
+    config.write_text(f"plugins: [{EXAMPLES / 'length_by_correctness.py'}]\n")
+    doc = tmp_path / "my_metrics.md"
+    doc.write_text(f"# my run\n{metrics.DOCS_BEGIN}\n{metrics.DOCS_END}\n")
+    with registered("length_by_correctness.py"):
+        args = ["--config", str(config), "--plugins", str(EXAMPLES / "answer_sentence.py"), "--write", str(doc)]
+        assert registry.docs_main("grpo.metrics", args, load=metrics.load_declarations) == 0
+        assert registry.docs_main("grpo.metrics", ["--plugins", str(tmp_path / "nowhere.py")]) == 2
+    text = doc.read_text()
+    assert "| `completion_len_right` | mean completion length of the correct answers" in text
+    assert "length_by_correctness.py` |" in text and "| `reward_term_answer_sentence` |" in text and "| `loss` |" in text
+    assert capsys.readouterr().err.strip() == f"grpo.metrics: command line: plugins: {tmp_path / 'nowhere.py'}: no such file"
+
+
 def test_a_key_without_a_declaration_is_logged_at_the_top_level_with_one_warning(tmp_path):
     logger = MetricsLogger(LogConfig(wandb_mode="disabled"), tmp_path, {}, rank=0)
     with pytest.warns(UserWarning, match="my_new_key is logged but not declared"):

@@ -1,5 +1,6 @@
 """The off-policy instruments' maths: the parity probe (grpo/parity.py) and the staleness split
-(grpo/staleness.py), against hand-computed values; the trainer's side of the probe against HF."""
+(grpo/staleness.py), both registered instruments reduced by grpo/instruments.py, against
+hand-computed values; the trainer's side of the probe against HF."""
 import copy
 import math
 
@@ -7,12 +8,13 @@ import pytest
 import torch
 
 from grpo.config import ConfigError, load_config
+from grpo.instruments import INSTRUMENTS, Reduction, Tokens
 from grpo.metrics import train_row
 from grpo.parity import ParityConfig, ParityProbe, ProbeSequence, parity_stats, trainer_logprobs, warn_if_apart
 from grpo.progress import Progress
 from grpo.rollout import Sample
 from grpo.shared_prompt import use_shared_prompt_attention
-from grpo.staleness import SPLIT_KEYS, add_sums, split_means, split_sums
+from grpo.staleness import SPLIT_KEYS
 from grpo.train_config import TrainConfig
 from kernels import KernelConfig
 from tiny_models import make_tiny_model_dir
@@ -99,7 +101,8 @@ def test_bad_parity_settings_name_their_key(key, value):
 
 # ---- the trainer's side of the probe ------------------------------------------------------------
 
-@pytest.mark.parametrize("share_prompts", [False, True])
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("share_prompts", [False, "sdpa", "flex"])
 def test_the_trainer_scores_the_probe_as_hf_does(tmp_path, share_prompts):
     from grpo.models import load_model
     from grpo.policy import Policy
@@ -117,15 +120,25 @@ def test_the_trainer_scores_the_probe_as_hf_does(tmp_path, share_prompts):
             want.append(torch.log_softmax(logits.double() / T, -1).gather(
                 -1, torch.tensor(s.completion_ids)[:, None])[:, 0].tolist())
     if share_prompts:
-        use_shared_prompt_attention(lm)
+        assert use_shared_prompt_attention(lm, share_prompts) == share_prompts
     got = trainer_logprobs(Policy(lm, T, KernelConfig(backend="torch")), probe, pad_id=0,
-                           device=torch.device("cpu"), share_prompts=share_prompts)
+                           device=torch.device("cpu"), share_prompts=bool(share_prompts))
     assert [len(x) for x in got] == [7, 3, 1]
     for g_seq, w_seq in zip(got, want):
         assert g_seq == pytest.approx(w_seq, abs=2e-5)
 
 
 # ---- the staleness split --------------------------------------------------------------------------
+
+def split(logp_alpha, logp_push, logp_k, active, parts=((0, None),)) -> dict[str, float]:
+    """The registered staleness split over the active tokens, the tokens cut into micro-batches."""
+    reduction = Reduction([INSTRUMENTS["staleness_split"]])
+    for lo, hi in parts:
+        a, k = logp_alpha[lo:hi], logp_k[lo:hi]
+        reduction.add(Tokens(logp=k, logp_old=k, logp_alpha=a, active=active[lo:hi], adv=torch.zeros_like(a),
+                             seq_index=torch.zeros_like(a, dtype=torch.long), cfg=None, logp_push=logp_push[lo:hi]))
+    return reduction.result(collective=False)
+
 
 def test_the_split_by_hand():
     # per token (alpha, push, k): (-1.0, -1.1, -0.9), (-2.0, -2.0, -2.2), (-0.5, -0.4, -0.4) inactive
@@ -136,10 +149,8 @@ def test_the_split_by_hand():
     # token 2: w_push = 1, w = e^-0.2 = 0.8187307531: mismatch 0, tv_staleness 0.0906346235,
     #   kl_staleness 0.8187307531 - 1 + 0.2 = 0.0187307531
     f64 = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731 (-1.1 is not a float32)
-    sums = split_sums(f64([-1.0, -2.0, -0.5]), f64([-1.1, -2.0, -0.4]), f64([-0.9, -2.2, -0.4]),
-                      torch.tensor([True, True, False]))
-    means = split_means({k: float(v) for k, v in sums.items()})
-    assert float(sums["tokens"]) == 2
+    means = split(f64([-1.0, -2.0, -0.5]), f64([-1.1, -2.0, -0.4]), f64([-0.9, -2.2, -0.4]),
+                  torch.tensor([True, True, False]))
     assert means["tv_mismatch"] == pytest.approx(0.0475812910 / 2, abs=1e-8)
     assert means["kl_mismatch"] == pytest.approx(0.0048374180 / 2, abs=1e-8)
     assert means["tv_staleness"] == pytest.approx((0.1001667500 + 0.0906346235) / 2, abs=1e-8)
@@ -155,7 +166,7 @@ def test_on_policy_staleness_is_exactly_zero_and_mismatch_is_the_objectives_tv_a
     logp_k = -torch.rand(50, generator=g) * 3
     logp_alpha = logp_k + 0.05 * torch.randn(50, generator=g)
     active = torch.rand(50, generator=g) > 0.2
-    means = split_means({k: float(v) for k, v in split_sums(logp_alpha, logp_k, logp_k, active).items()})
+    means = split(logp_alpha, logp_k, logp_k, active)
     assert means["tv_staleness"] == 0.0 and means["kl_staleness"] == 0.0
     _, stats = objective(logp_k.clone(), logp_alpha, None, None, torch.ones(50), active.float(), ObjectiveConfig())
     fin = finalize_stats(stats)
@@ -167,11 +178,11 @@ def test_the_split_adds_over_micro_batches_and_an_empty_one_is_missing():
     g = torch.Generator().manual_seed(1)
     a, p, k = (-torch.rand(12, generator=g) for _ in range(3))
     on = torch.ones(12, dtype=torch.bool)
-    whole = split_sums(a, p, k, on)
-    parts = add_sums(split_sums(a[:5], p[:5], k[:5], on[:5]), split_sums(a[5:], p[5:], k[5:], on[5:]))
+    whole = split(a, p, k, on)
+    parts = split(a, p, k, on, parts=((0, 5), (5, 5), (5, None)))  # an empty micro-batch among them
     for key in whole:
-        assert float(parts[key]) == pytest.approx(float(whole[key]), rel=1e-12)
-    empty = split_means({k: float(v) for k, v in split_sums(a, p, k, torch.zeros(12, dtype=torch.bool)).items()})
+        assert parts[key] == pytest.approx(whole[key], rel=1e-12)
+    empty = split(a, p, k, torch.zeros(12, dtype=torch.bool))
     assert all(math.isnan(empty[key]) for key in SPLIT_KEYS)
     rollout_stats = {"reward_mean": 0.0, "prompt_tokens": 1.0, "completion_tokens": 1.0}
     row = train_row(progress=Progress(step=1), stage=0, iteration=0, sgd_iteration=0, rollout_stats=rollout_stats,

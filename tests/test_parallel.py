@@ -427,6 +427,39 @@ def test_an_unmoved_gather_returns_the_parameters_themselves():
     assert full["lm_head.weight"] is full["model.embed_tokens.weight"]
 
 
+def test_host_staging_reuses_one_buffer_and_a_cpu_gather_never_touches_it():
+    """The push's host buffer (HostStaging) is allocated once and reused: views at 64-byte aligned
+    offsets, grown only when a push needs more. Tensors that do not leave an accelerator never go
+    through it (a CPU run allocates nothing); the GPU path, asynchronous copies into page-locked
+    memory, is checked byte for byte against the pageable gather by scripts/gpu_check.py (push)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from grpo.parallel import HostStaging, gather_full_state_dict
+
+    staging = HostStaging(pin=False)
+    staging.reserve(1000)
+    first = staging.buffer
+    staging.reserve(640)
+    assert staging.buffer is first  # reused
+    a = staging.view(0, torch.Size([3, 5]), torch.bfloat16)
+    b = staging.view(64, torch.Size([4]), torch.float32)
+    a.fill_(1.5)
+    b.fill_(-2.0)
+    assert a.data_ptr() == first.data_ptr() and b.data_ptr() == first.data_ptr() + 64
+    assert (a == 1.5).all() and (b == -2.0).all()
+    staging.reserve(5000)
+    assert staging.buffer.numel() == 5000
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    unused = HostStaging(pin=False)
+    full = gather_full_state_dict(model, dtype=torch.bfloat16, staging=unused)
+    assert unused.buffer is None
+    assert all(t.data_ptr() == model.state_dict()[n].data_ptr() for n, t in full.items())
+
+
 @pytest.mark.torchrun
 def test_a_process_without_a_launcher_is_a_world_of_one_that_leaves_the_environment_alone():
     """A script that makes its group in-process (scripts/compare_objectives.py, a plain `python

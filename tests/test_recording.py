@@ -112,7 +112,7 @@ def test_a_recorded_batch_reads_back_as_exactly_its_samples(tmp_path):
     table = pq.read_table(path)
     assert table.schema.equals(SCHEMA)
     # what the numbers mean travels with them: the format, the model and the tokenizer they were made with
-    assert table.schema.metadata == {b"format": b"grpo-rollouts/2", **{k.encode(): v.encode() for k, v in MADE_WITH.items()}}
+    assert table.schema.metadata == {b"format": b"grpo-rollouts/3", **{k.encode(): v.encode() for k, v in MADE_WITH.items()}}
     rows = table.to_pylist()
     assert len(rows) == len(rollout.samples) == 12
     for row, s in zip(rows, rollout.samples):

@@ -1,9 +1,12 @@
 """Reward terms (grpo/rewards.py) against values worked out by hand, in this process (workers=0:
-the pool's SIGALRM bound on the main thread; the worker processes are tests/test_rewards.py's)."""
+the pool's SIGALRM bound on the main thread; math-verify's worker processes are tests/test_rewards.py's):
+a failing term handled alike here and in a worker, declared ranges checked and following the config."""
+import math
+
 import pytest
 
 from grpo.config import ConfigError, load_config
-from grpo.rewards import TERMS, Completion, RewardConfig, RewardScorer, register_term, reward_range
+from grpo.rewards import TERMS, Completion, RewardConfig, RewardError, RewardScorer, register_term, reward_range
 from grpo.train_config import TrainConfig
 from plugins import registered
 
@@ -77,3 +80,108 @@ def test_bad_terms_are_refused_naming_the_key():
         load_config(TrainConfig, overrides=["reward.overlong_buffer=0"])
     with pytest.raises(ValueError, match="range must be finite with lo < hi"):
         register_term("bad", range=(1.0, 0.0), equation="-")
+
+
+FLAKY = '''
+import math
+
+from grpo.rewards import register_term
+
+
+def _flaky(c, cfg):
+    if c.text == "raise":
+        raise ZeroDivisionError("one odd completion")
+    return {"nan": math.nan, "inf": math.inf}.get(c.text, 0.5)
+
+
+register_term("flaky_here", range=(0.0, 1.0), equation="0.5; raises or NaN/inf on odd text")(_flaky)
+register_term("flaky_pooled", range=(0.0, 1.0), pool=True, equation="the same, in the worker pool")(_flaky)
+register_term("too_big", range=(0.0, 1.0), equation="2 on 'big'")(lambda c, cfg: 2.0 if c.text == "big" else 0.0)
+'''
+
+
+@pytest.fixture
+def flaky_terms(tmp_path):
+    path = tmp_path / "flaky.py"
+    path.write_text(FLAKY)
+    with registered(path):
+        yield path
+
+
+@pytest.mark.torchrun  # a worker process
+def test_a_term_that_raises_or_returns_nan_scores_its_minimum_and_is_counted_alike_here_and_in_the_pool(flaky_terms):
+    """Before: in this process a raising term ended the run with a traceback and a NaN went on into
+    the advantages; in the pool both scored the minimum, uncounted. Now both paths alike."""
+    cfg = load_config(TrainConfig, overrides=[f"plugins=[{flaky_terms}]", "reward.workers=1",
+                                              "reward.terms={correct: 1.0, flaky_here: 1.0, flaky_pooled: 1.0}"])
+    texts = [r"\boxed{4}", "raise", "nan", "inf", "fine"] + ["fine"] * 7
+    with RewardScorer(cfg.reward) as scorer:
+        rewards, info = scorer.score([completion(t) for t in texts])
+    assert info["terms"]["flaky_here"] == info["terms"]["flaky_pooled"] == [0.5, 0.0, 0.0, 0.0] + [0.5] * 8
+    assert info["failed"] == {"reward_failed_correct": 0, "reward_failed_flaky_here": 3,
+                              "reward_failed_flaky_pooled": 3}
+    assert rewards[:4] == [2.0, 0.0, 0.0, 0.0] and all(map(math.isfinite, rewards))
+
+
+def test_failures_past_the_fraction_stop_naming_the_term(flaky_terms):
+    cfg = load_config(TrainConfig, overrides=[f"plugins=[{flaky_terms}]", "reward.workers=0",
+                                              "reward.terms={correct: 1.0, flaky_here: 1.0}", "reward.max_failed_frac=0.2"])
+    with RewardScorer(cfg.reward) as scorer:
+        _, info = scorer.score([completion(t) for t in ["raise"] + ["fine"] * 4])  # 1 of 5: at the fraction
+        assert info["failed"]["reward_failed_flaky_here"] == 1
+        with pytest.raises(RewardError, match=r"reward term flaky_here failed on 2 of 5 completions of a batch, more "
+                                              r"than reward.max_failed_frac=0.2 \(first: failed: ZeroDivisionError: "
+                                              r"one odd completion; .*flaky.py\)"):
+            scorer.score([completion(t) for t in ["raise", "nan"] + ["fine"] * 3])
+
+
+def test_a_value_outside_the_declared_range_names_the_term_and_the_value(flaky_terms):
+    cfg = load_config(TrainConfig, overrides=[f"plugins=[{flaky_terms}]", "reward.workers=0",
+                                              "reward.terms={correct: 1.0, too_big: 0.5}"])
+    with RewardScorer(cfg.reward) as scorer:
+        assert scorer.score([completion("small")])[0] == [0.0]
+        with pytest.raises(RewardError, match=r"reward term too_big returned 2.0 for a completion, outside its declared "
+                                              r"range \[0, 1\] \(max_tokens=100; .*flaky.py\)"):
+            scorer.score([completion("small"), completion("big")])
+
+
+LENGTH_PENALTY = '''
+from grpo.registry import Knob
+from grpo.rewards import register_term
+
+
+def _range(cfg, max_tokens):
+    """-1 at the budget; (0, 0) where the penalty cannot fire: it starts at or past the budget."""
+    return (-1.0, 0.0) if cfg.penalty_from < max_tokens else (0.0, 0.0)
+
+
+@register_term("long_penalty", range=_range, equation="-(|y| - from) / (L_max - from) past `penalty_from` tokens",
+               knobs=(Knob("penalty_from", 96, int, "tokens before the penalty starts"),))
+def long_penalty(c, cfg):
+    return -max(c.num_tokens - cfg.penalty_from, 0) / max(c.max_tokens - cfg.penalty_from, 1)
+'''
+
+
+def test_a_range_follows_the_config_and_what_cannot_fire_leaves_the_bounds_M_alone(tmp_path):
+    """A penalty that cannot fire at grpo.max_new_tokens (it starts past the budget) widened the
+    reward's range all the same, and moved bound_M on the same rewards (1.16 -> 3.32 in the issue)."""
+    from grpo.advantages import batch_advantages
+
+    path = tmp_path / "long_penalty.py"
+    path.write_text(LENGTH_PENALTY)
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    plain = load_config(TrainConfig, overrides=["grpo.G=4", "grpo.max_new_tokens=64"])
+    with registered(path):
+        idle = load_config(TrainConfig, overrides=[f"plugins=[{path}]", "grpo.G=4", "grpo.max_new_tokens=64",
+                                                   "reward.terms={correct: 1.0, long_penalty: 1.0}"])
+        firing = load_config(TrainConfig, overrides=[f"plugins=[{path}]", "grpo.G=4", "grpo.max_new_tokens=128",
+                                                     "reward.terms={correct: 1.0, long_penalty: 1.0}"])
+        assert reward_range(idle.reward, 64) == (0.0, 1.0) and reward_range(firing.reward, 128) == (-1.0, 1.0)
+        assert batch_advantages(rewards, idle, seed=0)[2]["bound_M"] == batch_advantages(rewards, plain, seed=0)[2]["bound_M"]
+        assert batch_advantages(rewards, firing, seed=0)[2]["bound_M"] != batch_advantages(rewards, plain, seed=0)[2]["bound_M"]
+        weightless = load_config(TrainConfig, overrides=[f"plugins=[{path}]", "reward.terms={correct: 1.0, long_penalty: 0}"])
+        assert reward_range(weightless.reward, 1024) == (0.0, 1.0)  # weight 0: it adds nothing
+        with pytest.raises(ConfigError, match=r"reward.terms: the weighted reward has no range \(\[0, 0\]\) at "
+                                              r"grpo.max_new_tokens=64"):
+            load_config(TrainConfig, overrides=[f"plugins=[{path}]", "grpo.max_new_tokens=64",
+                                                "reward.terms={correct: 0, long_penalty: 1.0}"])

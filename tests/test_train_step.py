@@ -20,6 +20,7 @@ WORKER = os.path.join(ROOT, "tests", "fsdp_step_worker.py")
 OVERRIDES = ["grpo.batch_prompts=4", "grpo.G=4", "grpo.i=2", "optim.token_budget=48", "optim.lr=1e-3",
              "objective.beta=0.1", "objective.ratio_anchor=exact", "grpo.temperature=0.7", "kernels.chunk_tokens=8",
              "model.dtype=float32"]
+RATIO_TAIL = os.path.join(ROOT, "examples", "ratio_tail.py")  # a user's instrument (docs/extending.md): it measures only
 
 
 def run_worker(model_dir, out, nproc, tmp_path, batch="fixed", overrides=OVERRIDES, env=None, timeout=600):
@@ -39,8 +40,8 @@ def run_worker(model_dir, out, nproc, tmp_path, batch="fixed", overrides=OVERRID
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     model_dir = make_tiny_model_dir(tmp / "tiny", arch="qwen2", tie_word_embeddings=True)
-    one = run_worker(model_dir, tmp / "one.json", 1, tmp)
-    two = run_worker(model_dir, tmp / "two.json", 2, tmp)
+    one = run_worker(model_dir, tmp / "one.json", 1, tmp, overrides=OVERRIDES + [f"plugins=[{RATIO_TAIL}]"])
+    two = run_worker(model_dir, tmp / "two.json", 2, tmp, overrides=OVERRIDES + [f"plugins=[{RATIO_TAIL}]"])
     return model_dir, one, two
 
 
@@ -52,6 +53,15 @@ def test_two_ranks_equal_one_rank(results):
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4)
     assert two["param_abs_sum"] == pytest.approx(one["param_abs_sum"], rel=1e-7)
+
+
+def test_a_registered_instrument_is_reduced_over_both_ranks_as_over_one(results):
+    """The trainer's own state (train.Trainer) carries the registered instruments into this worker:
+    a user's per-pass statistic (examples/ratio_tail.py) is the same on 2 ranks as on 1, pass by pass."""
+    _, one, two = results
+    tails = [row["ratio_tail_frac"] for row in one["instruments"]]
+    assert len(tails) == 2 and tails[0] == 0.0 and tails[1] > 0  # the first pass: pi_theta is pi_old; then it moved
+    assert [row["ratio_tail_frac"] for row in two["instruments"]] == pytest.approx(tails, abs=1e-12)
 
 
 @pytest.mark.parametrize("loss", ["gspo", "gspo_token"])

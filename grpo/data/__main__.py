@@ -7,7 +7,7 @@
 DIR/<file> for each set: its rows exactly as published, one JSON object a line. A run then reads
 them with `data.data_dir=DIR` (and `eval_data.data_dir=DIR`), never touching the Hub. Each file is
 written under a temporary name and renamed into place, so a file that is there is complete.
-Exit 2 with one line when a name is unknown or a set cannot be had.
+Exit 2 with one line when a name is unknown, a set cannot be had or --out cannot be written.
 """
 from __future__ import annotations
 
@@ -25,18 +25,26 @@ def fetch(names: list[str], out: Path) -> None:
     unknown = [n for n in names if n not in NAMED_SETS]
     if unknown:
         raise DataError(f"unknown named set {', '.join(map(repr, unknown))} (named sets: {', '.join(NAMED_SETS)})")
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # before anything is fetched: a folder that cannot be made (under /proc, under a file) is one line
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "it is a file" if isinstance(e, FileExistsError) else e.strerror or e
+        raise DataError(f"--out {out}: cannot make the folder ({why})") from None
     for name in names:
         named = NAMED_SETS[name]
         _, origin, rows = named_set_rows(named, DataConfig(dataset=name))
         path = out / named.file
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for _, row in rows:
-                f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for _, row in rows:
+                    f.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:  # no permission, a full disk: the file is not there, nor half of it
+            tmp.unlink(missing_ok=True)
+            raise DataError(f"--out {out}: cannot write {path.name} ({e.strerror or e})") from None
         print(f"{name}: {len(rows)} rows of {origin} -> {path}")
     print(f"read them with data.data_dir={out} (eval_data.data_dir={out} for a held-out set)")
 

@@ -12,7 +12,9 @@ Where `data.dataset` is looked up:
                                  dataset folder (e.g. laid out like a Hub repository) or a Hub id
 
 A set that cannot be had stops with one `DataUnavailable` line naming the set, what was tried and
-the fetch command. Loaders never drop a row silently: a malformed row raises an error naming its
+the fetch command; a file that does not read (an empty, truncated or corrupt Parquet file, text that
+is not UTF-8, no permission), also inside a dataset folder, with one `DataError` line naming it (and
+its line). Loaders never drop a row silently: a malformed row raises an error naming its
 file and line (or dataset and row), or, with `on_bad_row: skip`, is skipped and counted
 (`load_problem_set(...).skipped`, and a warning).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,47 +116,118 @@ class Rows:
 # Sources
 
 
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:  # permission, a directory under a file's name, an I/O error
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _not_utf8(raw: bytes, e: UnicodeDecodeError) -> tuple[int, str]:
+    """(line, reason) of the first byte of `raw` that is not UTF-8 (Python's own error names neither
+    the file nor the line)."""
+    line = raw.count(b"\n", 0, e.start) + 1
+    column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+    return line, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}); save the file as UTF-8"
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+    """(location, row-or-error) for each line of a JSONL file; a line that is not UTF-8 or not
+    JSON is a row error naming its line."""
+    for line_no, raw in enumerate(_read_bytes(path).split(b"\n"), 1):
+        if not raw.strip():
+            continue  # a blank line holds no row
+        try:
+            yield f"{path}:{line_no}", json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            yield f"{path}:{line_no}", DataError(_not_utf8(raw, e)[1])
+        except json.JSONDecodeError as e:
+            yield f"{path}:{line_no}", DataError(f"not valid JSON ({e.msg} at column {e.colno})")
+
+
+def _json_document(path: Path):
+    """A .json file's value; DataError naming the file and line when it is not UTF-8 JSON."""
+    raw = _read_bytes(path)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line, reason = _not_utf8(raw, e)
+        raise DataError(f"{path}:{line}: {reason}") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _parquet_rows(path: Path) -> list[dict]:
+    """A Parquet file's rows; DataError naming the file when it is empty, truncated or corrupt."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: not a readable Parquet file (it is empty)")
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as e:  # ArrowInvalid (no footer, truncated), OSError (corrupt pages)
+        reason = re.sub(r"^Could not open Parquet input source '[^']*': ", "", " ".join(str(e).split()))
+        raise DataError(f"{path}: not a readable Parquet file ({reason})") from None
+
+
 def _file_rows(path: Path) -> Iterator[tuple[str, object]]:
-    """(location, row-or-error) for each row of a JSON / JSONL / Parquet file."""
+    """(location, row-or-error) for each row of a JSON / JSONL / Parquet file. What makes the whole
+    file unreadable (not UTF-8, not JSON, a truncated or corrupt Parquet file, no permission) raises
+    DataError naming it (and the line)."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue  # a blank line holds no row
-                try:
-                    yield f"{path}:{line_no}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"{path}:{line_no}", DataError(f"not valid JSON ({e.msg} at column {e.colno})")
+        yield from _jsonl_rows(path)
     elif suffix == ".json":
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        rows = _json_document(path)
         if not isinstance(rows, list):
             raise DataError(f"{path}: expected a JSON array of objects, got {type(rows).__name__}")
         for i, row in enumerate(rows, 1):
             yield f"{path}: row {i}", row
     elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        for i, row in enumerate(_parquet_rows(path), 1):
             yield f"{path}: row {i}", row
     else:
         raise DataError(f"{path}: unsupported file type {suffix!r} (use {', '.join(PATH_SUFFIXES)})")
 
 
+def _unreadable_file(folder: Path) -> Optional[str]:
+    """The first data file (.json, .jsonl, .parquet) under a dataset folder that cannot be read, as
+    one line naming it (and the line); None when each reads. `datasets` reports such a file without
+    its name (a corrupt page) or only in a log line; this names it."""
+    for path in sorted(folder.rglob("*")):
+        if path.suffix.lower() not in PATH_SUFFIXES or any(p.startswith(".") for p in path.relative_to(folder).parts) \
+                or not path.is_file():
+            continue
+        try:
+            if path.suffix.lower() == ".parquet":
+                _parquet_rows(path)
+            elif path.suffix.lower() == ".jsonl":
+                bad = next((f"{where}: {row}" for where, row in _jsonl_rows(path) if isinstance(row, DataError)), None)
+                if bad:
+                    return bad
+            else:  # a JSON document, or JSON lines (`datasets` reads either from a .json file)
+                try:
+                    _json_document(path)
+                except DataError as whole:
+                    if any(isinstance(row, DataError) for _, row in _jsonl_rows(path)):
+                        return str(whole)
+        except DataError as e:
+            return str(e)
+    return None
+
+
 @contextlib.contextmanager
 def _quiet_hub():
-    """No progress bars and no per-retry warnings from `datasets` / `huggingface_hub` while a split
-    loads: the outcome is one line either way."""
+    """No progress bars, per-retry warnings or error logs from `datasets` / `huggingface_hub` while
+    a split loads: the outcome is one line either way (a file it could not read is named there)."""
     import datasets
 
     loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets")]
     levels = [lg.level for lg in loggers]
     bars = datasets.utils.logging.is_progress_bar_enabled()
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     datasets.disable_progress_bars()
     try:
         yield datasets
@@ -181,22 +255,37 @@ def describe_hub(dataset: str, config: Optional[str], split: Optional[str]) -> s
 def _datasets_rows(dataset: str, config: Optional[str], split: Optional[str]) -> tuple[str, list]:
     """(split, rows) of one split through `datasets.load_dataset` (a Hub id: the HF cache first,
     then the Hub; a local folder: read in place). Raises DataUnavailable when the dataset cannot be
-    had, DataError naming `config` / `split` when it has no such config or split."""
+    had, DataError naming `config` / `split` when it has no such config or split, or naming the file
+    of a local folder that does not read."""
     where = describe_hub(dataset, config, split)
     with _quiet_hub() as datasets:
         try:
             loaded = datasets.load_dataset(dataset, config, split=split)
-        except ValueError as e:  # a config or split that does not exist; the message lists the ones that do
-            first = " ".join(str(e).split())
-            raise DataError(f"{'split' if 'split' in first.lower() else 'config'}: {where}: {first}") from None
-        except Exception as e:  # unreachable and not cached (ConnectionError), no such dataset, no data files
-            reason = (str(e).splitlines() or [""])[0][:300] or type(e).__name__
-            raise DataUnavailable(f"{where}: {type(e).__name__}: {reason}") from None
+        except Exception as e:
+            raise _load_error(e, dataset, where) from None
     if split is None:  # the dataset's splits: exactly one can be meant
         if len(loaded) != 1:
             raise DataError(f"split: {where} has splits {', '.join(loaded)}; choose one")
         split, loaded = next(iter(loaded.items()))
-    return split, loaded.to_list()
+    try:
+        return split, loaded.to_list()
+    except Exception as e:  # text that is not UTF-8: Arrow's JSON reader lets it through, its rows do not
+        raise _load_error(e, dataset, where) from None
+
+
+def _load_error(e: Exception, dataset: str, where: str) -> DataError:
+    """What `datasets` raised, as the one line to stop with."""
+    import pyarrow as pa
+
+    reason = (str(e).splitlines() or [""])[0][:300] or type(e).__name__
+    if isinstance(e, ValueError) and not isinstance(e, (pa.ArrowException, UnicodeError)):
+        # a config or split that does not exist; the message lists the ones that do
+        first = " ".join(str(e).split())
+        return DataError(f"{'split' if 'split' in first.lower() else 'config'}: {where}: {first}")
+    if Path(dataset).is_dir():  # a local folder: a file in it does not read (ArrowInvalid, OSError, not UTF-8)
+        return DataError(_unreadable_file(Path(dataset)) or f"{where}: {type(e).__name__}: {reason}")
+    # unreachable and not cached (ConnectionError), no such dataset, no data files
+    return DataUnavailable(f"{where}: {type(e).__name__}: {reason}")
 
 
 def fetch_hint(names: list[str], out: str = "DIR") -> str:
@@ -297,12 +386,19 @@ def _row_to_problem(row, where: str, source: Rows) -> Problem:
         raise DataError(f"expected a JSON object, got {type(row).__name__}")
     # unnamed sources: DeepScaleR, MATH, AIME write "problem"; GSM8K and AMC "question"
     question_key = source.question_key or ("problem" if "problem" in row else "question")
+    fields = {}
     for key in (question_key, source.answer_key):
-        if key not in row or row[key] is None:
+        # a dotted name (answer.final) reaches into nested objects, whatever the source: JSON objects,
+        # Parquet structs and Hub features are dicts here; a field of that very name comes first
+        value = row.get(key) if key in row else row
+        for part in [] if key in row else key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
             raise DataError(f"missing field {key!r} (fields present: {', '.join(sorted(row))})")
-    question = row[question_key]
+        fields[key] = value
+    question = fields[question_key]
     if not isinstance(question, str) or not question.strip():
         raise DataError(f"field {question_key!r} must be non-empty text")
     row_id = row.get("id", where.rsplit(":", 1)[-1].replace(" row ", "").strip())
     return Problem(id=f"{source.name}/{row_id}", prompt=question.strip(),
-                   answer=gold_answer(row[source.answer_key], source.answer_format), source=source.name)
+                   answer=gold_answer(fields[source.answer_key], source.answer_format), source=source.name)

@@ -6,9 +6,14 @@
     client.push_weights(weights_dir, version=3, mode="path")
 
 Transient failures (connection refused or reset, 502/503/504) are retried with exponential backoff
-until `retry_deadline_s`, then ServerUnavailableError says what it last saw; an answer that is an
-error (400, 401, 404, 409, ...) raises InferenceServerError with the server's reason and status at
-once. `death_check` (given by the process supervisor) turns the first failed request to a server
+until `retry_deadline_s`, then ServerUnavailableError says what it last saw, in a few words
+("connection refused"); an answer that is an error (400, 401, 404, 409, ...), or a TLS handshake
+that fails (https to a plain-HTTP server), raises InferenceServerError with the reason at once.
+
+`attach(url, token_file)` is how a run starts on a server it did not launch (server.url,
+server.urls): the token is read and the server asked, before anything else starts, whether it
+answers (/grpo/health) and takes the token (/version, behind the bearer check); AttachError is the
+one line that names the URL and what failed. Nothing on the server changes. `death_check` (given by the process supervisor) turns the first failed request to a server
 whose process has died into an immediate ServerUnavailableError with its log tail, instead of a
 minute of retries. (urllib3's Retry has neither a deadline nor a hook for that check, so the
 loop is ours; requests does the transport: pooled connections, streamed uploads, TLS.)
@@ -16,6 +21,8 @@ loop is ours; requests does the transport: pooled connections, streamed uploads,
 from __future__ import annotations
 
 import json
+import os
+import ssl
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -26,6 +33,7 @@ import requests
 
 from grpo.serving.weights_dir import MANIFEST_NAME
 
+TOKEN_ENV = "GRPO_SERVER_TOKEN"  # an attached server's token, when server.token_file is not set
 TRANSIENT_STATUS = (502, 503, 504)
 # The most completion tokens one score() request may ask for: the server makes one engine request
 # of each, and answers 413 beyond it (grpo/serving/routes.py; the parity probe is checked against it).
@@ -67,6 +75,33 @@ class InferenceServerError(RuntimeError):
 class ServerUnavailableError(InferenceServerError):
     """No answer from the server within the retry deadline (or its process has died)."""
 
+    def __init__(self, message: str, last: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.last = last  # the last failure seen, in a few words (transport_failure, or the HTTP status)
+
+
+class AttachError(InferenceServerError):
+    """A running server (server.url, server.urls) this run cannot use: it does not answer, refuses the
+    token, speaks another scheme, or there is no token to give it. The message is one line naming the
+    URL and what failed."""
+
+
+def transport_failure(error: BaseException) -> str:
+    """Why a request got no answer, in a few words: the innermost cause requests and urllib3 wrap
+    ("connection refused", "name or service not known", "TLS handshake failed (WRONG_VERSION_NUMBER)")."""
+    seen, todo, innermost = set(), [error], None
+    while todo:
+        e = todo.pop(0)
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ssl.SSLError):
+            return f"TLS handshake failed ({e.reason or e})"
+        if isinstance(e, OSError) and e.strerror:
+            innermost = e.strerror[0].lower() + e.strerror[1:]
+        todo += [e.__cause__, e.__context__, getattr(e, "reason", None), *e.args]
+    return innermost or f"{type(error).__name__}: {error}"
+
 
 def _reason(resp: requests.Response) -> str:
     try:
@@ -107,8 +142,10 @@ class InferenceClient:
             except requests.ReadTimeout as e:
                 raise ServerUnavailableError(f"{method} {self.url}{path}: no answer within {timeout:.0f} s ({e}); "
                                              "raise server.request_timeout_s if batches are this slow") from None
+            except (requests.exceptions.SSLError, requests.exceptions.InvalidURL) as e:  # never heals by waiting
+                raise InferenceServerError(f"{method} {self.url}{path}: {transport_failure(e)}") from None
             except requests.RequestException as e:  # refused, reset, connect timeout: transient
-                last = f"{type(e).__name__}: {e}"
+                last = transport_failure(e)
             else:
                 if resp.status_code == 200:
                     return resp.json()
@@ -120,10 +157,10 @@ class InferenceClient:
                 if hasattr(body, "close"):
                     body.close()
             if self.death_check is not None and (dead := self.death_check()):
-                raise ServerUnavailableError(f"{method} {self.url}{path} failed ({last}): {dead}")
+                raise ServerUnavailableError(f"{method} {self.url}{path} failed ({last}): {dead}", last)
             if not retry or time.monotonic() + delay > deadline:
                 raise ServerUnavailableError(f"{method} {self.url}{path}: server unavailable for "
-                                             f"{self.retry_deadline_s:.0f} s; last error: {last}")
+                                             f"{self.retry_deadline_s:.0f} s; last error: {last}", last)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 
@@ -195,3 +232,50 @@ class InferenceClient:
             raise ValueError(f"mode: must be 'path' or 'bytes', got {mode!r}")
         out["client_seconds"] = time.perf_counter() - t0
         return out
+
+
+def attach_token(url: str, token_file: Optional[str]) -> str:
+    """The token to attach to `url` with: server.token_file's contents, else $GRPO_SERVER_TOKEN.
+    AttachError when there is none (the server refuses every call but its health without one)."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as e:
+            raise AttachError(f"attaching to {url}: server.token_file {token_file}: {e.strerror or e}") from None
+        if not token:
+            raise AttachError(f"attaching to {url}: server.token_file {token_file} is empty")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise AttachError(f"attaching to {url}: no token: set server.token_file to the file the server reads its "
+                          f"token from (--token-file), or ${TOKEN_ENV}")
+    return token
+
+
+def attach(url: str, token_file: Optional[str], timeout_s: float = 600.0, retry_deadline_s: float = 60.0
+           ) -> InferenceClient:
+    """A client of the grpo.serving.server running at `url`, once the server has shown that it
+    answers and takes the token (module docstring). Two reads, nothing changed on the server.
+    AttachError otherwise: nothing answers within retry_deadline_s (refused, unknown host), a TLS
+    handshake fails (https to a plain-HTTP server), it is no grpo server, or it refuses the token."""
+    client = InferenceClient(url, attach_token(url, token_file), timeout_s, retry_deadline_s)
+    source = f"server.token_file {token_file}" if token_file else f"${TOKEN_ENV}"
+    try:
+        client.request("GET", "/grpo/health", timeout=min(timeout_s, 30.0))  # open: is it there and healthy
+    except ServerUnavailableError as e:
+        raise AttachError(f"attaching to {url}: no healthy answer within server.retry_deadline_s="
+                          f"{retry_deadline_s:g} s ({e.last})") from None
+    except InferenceServerError as e:
+        scheme = "; is it a plain-HTTP server (http://)?" if "TLS" in str(e) and url.startswith("https") else ""
+        what = "not a grpo.serving.server (GET /grpo/health: HTTP 404)" if e.status == 404 else \
+            str(e).removeprefix(f"GET {client.url}/grpo/health: ")
+        raise AttachError(f"attaching to {url}: {what}{scheme}") from None
+    try:  # behind the bearer check, which answers 401 before any route is looked up
+        client.request("GET", "/version", timeout=min(timeout_s, 30.0))
+    except InferenceServerError as e:
+        if e.status == 401:
+            raise AttachError(f"attaching to {url}: the server refuses the token from {source} (HTTP 401); give "
+                              f"server.token_file the file the server was started with") from None
+        if e.status is None or e.status >= 500:
+            raise AttachError(f"attaching to {url}: {e}") from None
+    return client

@@ -45,7 +45,7 @@ import torch
 
 from grpo import metrics
 from grpo.cpu import CPUConfig
-from grpo.serving.client import GenerationResult, InferenceServerError, ScoreResult
+from grpo.serving.client import AttachError, GenerationResult, InferenceServerError, ScoreResult
 from grpo.serving.inference import InferenceServer, ServerConfig, weights_parent
 
 metrics.declare("fleet_server*", "time", "with several inference servers (server.replicas or server.urls): "
@@ -86,21 +86,19 @@ class ServerFleet:
     def launch(cls, model_dir: str | Path, cfg: ServerConfig, run_dir: str | Path,
                gpus: Sequence[Optional[str]] = (None,), gpu_memory_utilization: Optional[float] = None,
                cpu: Optional[CPUConfig] = None) -> "ServerFleet":
-        """Attach to every server.urls (server.url) or launch one server per entry of `gpus` (each
+        """Attach to every server.urls (server.url: `attach`) or launch one server per entry of `gpus` (each
         replica's CUDA_VISIBLE_DEVICES, grpo.layout's replica_gpus; None: this machine's CPU), in
         parallel. One server is launched as before (run_dir/server); several as run_dir/server<r>,
         on server.port + r where a port is set. A server that fails to start stops the others."""
         if cfg.attached:
-            configs = [replace(cfg, url=url, urls=None, replicas=1) for url in cfg.attached_urls]
-            starts = [lambda c=c: InferenceServer.launch(model_dir, c, run_dir) for c in configs]
-        else:
-            gpus = list(gpus)
-            many = len(gpus) > 1
-            configs = cls.replica_configs(cfg, model_dir, run_dir, len(gpus))
-            starts = [lambda r=r: InferenceServer.launch(model_dir, configs[r], run_dir, gpu=gpus[r],
-                                                         gpu_memory_utilization=gpu_memory_utilization, cpu=cpu,
-                                                         name=f"server{r}" if many else "server")
-                      for r in range(len(gpus))]
+            return cls.attach(model_dir, cfg, run_dir)
+        gpus = list(gpus)
+        many = len(gpus) > 1
+        configs = cls.replica_configs(cfg, model_dir, run_dir, len(gpus))
+        starts = [lambda r=r: InferenceServer.launch(model_dir, configs[r], run_dir, gpu=gpus[r],
+                                                     gpu_memory_utilization=gpu_memory_utilization, cpu=cpu,
+                                                     name=f"server{r}" if many else "server")
+                  for r in range(len(gpus))]
         if len(starts) == 1:
             return cls([starts[0]()])
         with concurrent.futures.ThreadPoolExecutor(len(starts), thread_name_prefix="fleet-start") as pool:
@@ -113,6 +111,23 @@ class ServerFleet:
                 server.stop()
             raise failed[0]
         return cls(started)
+
+    @classmethod
+    def attach(cls, model_dir: str | Path, cfg: ServerConfig, run_dir: str | Path) -> "ServerFleet":
+        """The running servers of server.urls (server.url), each asked at once whether it answers and
+        takes the token (grpo.serving.client.attach): AttachError, one line naming every URL that
+        failed and why, before a run starts anything else. Nothing on any server is changed here
+        (start_versions resets them, once the run has started)."""
+        configs = [replace(cfg, url=url, urls=None, replicas=1) for url in cfg.attached_urls]
+        with concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="fleet-attach") as pool:
+            futures = [pool.submit(InferenceServer.launch, model_dir, c, run_dir) for c in configs]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        for error in failed:
+            if not isinstance(error, AttachError):
+                raise error
+        if failed:
+            raise AttachError("; ".join(str(e) for e in failed))
+        return cls([f.result() for f in futures])
 
     @staticmethod
     def replica_configs(cfg: ServerConfig, model_dir: str | Path, run_dir: str | Path, replicas: int

@@ -34,14 +34,13 @@ from grpo.config import ConfigError
 from grpo.cpu import CPUConfig
 from grpo.cpu.bf16 import multiplies_bf16
 from grpo.fsutil import owned_dir
-from grpo.serving.client import (GenerationResult, InferenceClient, InferenceServerError, ScoreResult,
-                                 ServerUnavailableError)
+from grpo.serving.client import (TOKEN_ENV, GenerationResult, InferenceClient, InferenceServerError, ScoreResult,
+                                 ServerUnavailableError, attach)
 from grpo.serving.fingerprint import fingerprint_mismatches, pushed_moments, unseen_by_fingerprint
 from grpo.serving.supervisor import ServerProcess, StartupTimeout
 from grpo.serving.weights_dir import prune_weights
 from grpo.serving.weights_writer import write_weights
 
-TOKEN_ENV = "GRPO_SERVER_TOKEN"
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])  # the checkout: the launched child imports grpo from here
 _DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 HEAD_DTYPES = ("float32", "model")
@@ -250,11 +249,8 @@ class InferenceServer:
         `cpu` (the config's `cpu:` section, defaults when None) sets up the engine. name: the run
         directory's subdirectory for its token, port file and log (one per server of a fleet)."""
         model_dir, run_dir = Path(model_dir).resolve(), Path(run_dir).resolve()
-        if cfg.url:
-            token = Path(cfg.token_file).read_text().strip() if cfg.token_file else os.environ.get(TOKEN_ENV)
-            client = InferenceClient(cfg.url, token, cfg.request_timeout_s, cfg.retry_deadline_s)
-            if not client.health():
-                client.request("GET", "/grpo/health")  # retries until the deadline, then says why
+        if cfg.url:  # answers and takes the token, or AttachError (nothing on the server changed)
+            client = attach(cfg.url, cfg.token_file, cfg.request_timeout_s, cfg.retry_deadline_s)
             root = Path(cfg.weights_root) if cfg.push_mode == "path" else None
             return cls(cfg, client, model_dir, run_dir, root)
         server_dir = run_dir / name
