@@ -252,7 +252,9 @@ class InferenceServer:
         if cfg.url:  # answers and takes the token, or AttachError (nothing on the server changed)
             client = attach(cfg.url, cfg.token_file, cfg.request_timeout_s, cfg.retry_deadline_s)
             root = Path(cfg.weights_root) if cfg.push_mode == "path" else None
-            return cls(cfg, client, model_dir, run_dir, root)
+            server = cls(cfg, client, model_dir, run_dir, root)
+            server.check_head_dtype()  # started by someone else, with its own --head-dtype
+            return server
         server_dir = run_dir / name
         server_dir.mkdir(parents=True, exist_ok=True)
         root = _private_root(weights_parent(cfg, model_dir, run_dir), run_dir.name)
@@ -436,9 +438,7 @@ class InferenceServer:
         """A run's versions start at 0, the model directory. An attached server may serve another
         run's push, or this run's from past its checkpoint (a resume after a crash): it is reset, or
         the run's pushes would be refused as not newer, and its samples would come from weights the
-        run never pushed. A launched server is fresh. First, its LM head must run in the dtype the
-        config asks (check_head_dtype)."""
-        self.check_head_dtype()
+        run never pushed. A launched server is fresh."""
         version = self.weights_version()
         if version != 0:
             print(f"[grpo] inference server {self.url} served version {version} (another run's, or this run's "
@@ -448,8 +448,8 @@ class InferenceServer:
     def check_head_dtype(self) -> None:
         """The server's LM head runs in the dtype server.head_dtype asks: float32 (alpha's log-probs
         from fp32 logits, as the trainer's) or "model" (the serving dtype). An attached server was
-        started by someone else with its own --head-dtype; ConfigError naming the URL and both dtypes
-        when it differs, before anything on the server changes."""
+        started by someone else with its own --head-dtype: checked as it is attached, ConfigError
+        naming the URL and both dtypes when it differs, before anything on the server changes."""
         health = self.client.request("GET", "/grpo/health")
         head = health.get("head_dtype")
         served = health.get("dtype") or str(self.serve_dtype).removeprefix("torch.")
