@@ -357,11 +357,12 @@ def test_a_score_whose_client_hung_up_stops_and_lets_the_next_push_through(serve
                          ids=["t0.7", "t0.7-topk-topp"])
 def test_a_score_at_another_temperature_whose_client_hung_up_frees_the_engine_at_once(server, tiny, setting):
     """At T != 1 (or with top-k/top-p) a score is one engine request per completion token: the largest
-    score allowed is 16,384 requests, ~40-80 s of work here. Its client hangs up after 2 s; then a small
-    score, and after a second such hang-up a push, must take no more than on the idle engine plus a
-    second. Bug: every request of the score was queued in the engine at once and aborted one by one
-    when the client left (each abort a message of its own, each removal a scan of the engine's
-    waiting queue), which held the engine 2-20 s, and the version gate a push waits on as long."""
+    score allowed is 16,384 requests, ~40-130 s of work here. Its client hangs up after 3 s; then a small
+    score, and after a second such hang-up a push, must take at most 1.5 s more than on the idle engine
+    (measured after the fix: 0.1-0.2 s more with the machine to itself, up to 1.1 s beside other work).
+    Bug: every request of the score was queued in the engine at once and aborted one by one when the
+    client left (each abort a message of its own, each removal a scan of the engine's waiting queue),
+    which held the engine 2.3-20 s, and the version gate a push waits on as long."""
     from grpo.serving.client import SCORE_MAX_TOKENS
 
     _push_next(server, _perturbed(tiny["hf"], seed=25))
@@ -373,7 +374,7 @@ def test_a_score_at_another_temperature_whose_client_hung_up_frees_the_engine_at
     def abandon():
         client = InferenceClient(server.client.url, server._token)
         with pytest.raises(ServerUnavailableError, match="no answer within"):
-            client.request("POST", "/grpo/score", json_body=body, timeout=2.0, retry=False)
+            client.request("POST", "/grpo/score", json_body=body, timeout=3.0, retry=False)
 
     def timed(call) -> float:
         t0 = time.monotonic()
@@ -392,8 +393,8 @@ def test_a_score_at_another_temperature_whose_client_hung_up_frees_the_engine_at
     next_push = timed(lambda: push(version + 2))
     print(f"{setting}: after hanging up, a small score {next_score:.2f} s (idle {idle_score:.2f}), "
           f"a push {next_push:.2f} s (idle {idle_push:.2f})")
-    assert next_score < idle_score + 1.0, f"the next small score took {next_score:.1f} s (idle {idle_score:.2f} s)"
-    assert next_push < idle_push + 1.0, f"the next push took {next_push:.1f} s (idle {idle_push:.2f} s)"
+    assert next_score < idle_score + 1.5, f"the next small score took {next_score:.1f} s (idle {idle_score:.2f} s)"
+    assert next_push < idle_push + 1.5, f"the next push took {next_push:.1f} s (idle {idle_push:.2f} s)"
     assert server.weights_version() == version + 2
 
 
