@@ -477,9 +477,15 @@ def gradient_sync_plan(setting: str, model: torch.nn.Module, memory_bytes: int) 
     at 7B), against one reduce-scatter per optimizer step. Syncing after every micro-batch keeps
     only this rank's shard (4 / world_size bytes per parameter) and pays one reduce-scatter per
     micro-batch. "auto" keeps them unsharded while they take at most UNSHARDED_GRADIENTS_SHARE of
-    the rank's memory (`memory_bytes`)."""
+    the rank's memory (`memory_bytes`, this rank's figure).
+
+    Every rank must take the same path: a rank that reduce-scatters after every micro-batch beside
+    one that waits for the last pairs their collectives wrongly (a hang, or wrong gradients). So
+    "auto" decides from the least `memory_bytes` of any rank (one collective: every rank calls this
+    with the same setting), and ranks on unlike nodes (an H100 beside an H200) agree."""
     if setting != "auto":
         return setting == "every_micro_batch", f"optim.grad_sync={setting}"
+    memory_bytes = least_over_ranks(memory_bytes)
     unsharded = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor numel: the full size
     every = unsharded > UNSHARDED_GRADIENTS_SHARE * memory_bytes
     return every, (f"optim.grad_sync=auto: unsharded fp32 gradients {unsharded / 2**30:.2f} GiB "
@@ -495,6 +501,14 @@ def all_reduce_sum(values: dict[str, torch.Tensor | float]) -> dict[str, float]:
     if dist.is_initialized():
         dist.all_reduce(t)
     return dict(zip(keys, t.tolist()))
+
+
+def least_over_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (collective; the value itself without a process group)."""
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def all_reduce_max(value: int | float) -> float:

@@ -10,6 +10,10 @@ zero variance, masked by eq. 8 when objective.mask_zero_variance is on); "groupe
 environment, masked sequences run forward and backward like the others (the reference for the skip).
 Runs train.py's own steps (plan_batch, sgd_iteration, optimizer_step) on a seeded batch, so the
 1-rank and 2-rank results can be compared number for number.
+
+GRPO_TEST_RANK_MEMORY=<bytes of rank 0>,<bytes of rank 1>,... in the environment: the device memory
+each rank reads (grpo.parallel.device_memory_bytes answers that figure on that rank), as ranks on
+unlike nodes would (optim.grad_sync auto decides from it).
 """
 import json
 import os
@@ -25,9 +29,10 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import train  # noqa: E402
 from grpo import objective as O  # noqa: E402
 from grpo.advantages import group_advantages  # noqa: E402
+from grpo import parallel  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
-from grpo.parallel import close_distributed, gather_full_state_dict, init_distributed  # noqa: E402
+from grpo.parallel import close_distributed, gather_full_state_dict, gradient_sync_plan, init_distributed  # noqa: E402
 from grpo.rollout import Rollout, Sample  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
 
@@ -63,8 +68,13 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     policy = train.build_policy(cfg, info.device, trainable=True)
     ref = train.build_policy(cfg, info.device, trainable=False) if cfg.objective.beta > 0 else None
     optimizer = build_optimizer(policy, cfg.optim)
+    memory = parallel.device_memory_bytes(info.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    sync_every, sync_why = gradient_sync_plan(cfg.optim.grad_sync, policy, memory)  # as train.py's set-up plans it
     run = train.Trainer(cfg=cfg, dist=info, policy=policy, pad_token_id=0, ref_policy=ref, optimizer=optimizer,
-                        scheduler=build_scheduler(optimizer, 10, cfg.optim))
+                        scheduler=build_scheduler(optimizer, 10, cfg.optim), sync_every_micro_batch=sync_every)
+    plans = [None] * info.world_size
+    torch.distributed.all_gather_object(plans, [sync_every, sync_why])  # before any step: seen even if the steps hang
+    print(json.dumps({"gradient_sync_plans": plans}), flush=True)
     vocab = policy.lm.config.vocab_size
     if os.environ.get("GRPO_NO_SKIP") == "1":  # the reference: every sequence runs forward and backward
         train.contributing = lambda completion_mask, *a, **k: torch.ones(completion_mask.shape[0], dtype=torch.bool)
@@ -90,13 +100,22 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
     torch.distributed.all_gather_object(all_shapes, shapes)
     checksum = float(sum(t.double().abs().sum() for t in full.values()))
     return {"losses": losses, "grad_norms": norms, "param_abs_sum": checksum, "entropies": entropies, "kls": kls,
-            "micro_batches": len(mbs), "world_size": info.world_size, "shapes": all_shapes, "ref_resharded": ref_resharded,
+            "micro_batches": len(mbs), "world_size": info.world_size, "gradient_sync_plans": plans,
+            "shapes": all_shapes, "ref_resharded": ref_resharded,
             "rows": sum(int(mb.input_ids.shape[0]) for mb in mbs),  # this rank's (shared-prompt: group rows)
             "instruments": instruments}
 
 
+def report_memory(per_rank: str) -> None:
+    """grpo.parallel.device_memory_bytes answers this rank's figure of GRPO_TEST_RANK_MEMORY."""
+    memory = int(per_rank.split(",")[int(os.environ.get("RANK", "0"))])
+    parallel.device_memory_bytes = lambda device, ranks_on_node=1: memory
+
+
 def main():
     model_dir, out_path, batch_kind, overrides = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+    if os.environ.get("GRPO_TEST_RANK_MEMORY"):
+        report_memory(os.environ["GRPO_TEST_RANK_MEMORY"])
     cfg = load_config(TrainConfig, None, [f"model.path={model_dir}", *overrides])
     info = init_distributed()
     result = run_steps(cfg, info, batch_kind)

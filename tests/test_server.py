@@ -353,6 +353,52 @@ def test_a_score_whose_client_hung_up_stops_and_lets_the_next_push_through(serve
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("setting", [{"temperature": 0.7}, {"temperature": 0.7, "top_k": 20, "top_p": 0.9}],
+                         ids=["t0.7", "t0.7-topk-topp"])
+def test_a_score_at_another_temperature_whose_client_hung_up_frees_the_engine_at_once(server, tiny, setting):
+    """At T != 1 (or with top-k/top-p) a score is one engine request per completion token: the largest
+    score allowed is 16,384 requests, ~40-130 s of work here. Its client hangs up after 3 s; then a small
+    score, and after a second such hang-up a push, must take at most 1.5 s more than on the idle engine
+    (measured after the fix: 0.1-0.2 s more with the machine to itself, up to 1.1 s beside other work).
+    Bug: every request of the score was queued in the engine at once and aborted one by one when the
+    client left (each abort a message of its own, each removal a scan of the engine's waiting queue),
+    which held the engine 2.3-20 s, and the version gate a push waits on as long."""
+    from grpo.serving.client import SCORE_MAX_TOKENS
+
+    _push_next(server, _perturbed(tiny["hf"], seed=25))
+    prompt = tiny["prompt_ids"][0]
+    body = {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
+                                                                               for t in range(100)]}
+                          for j in range(SCORE_MAX_TOKENS // 100)], **setting}
+
+    def abandon():
+        client = InferenceClient(server.client.url, server._token)
+        with pytest.raises(ServerUnavailableError, match="no answer within"):
+            client.request("POST", "/grpo/score", json_body=body, timeout=3.0, retry=False)
+
+    def timed(call) -> float:
+        t0 = time.monotonic()
+        call()
+        return time.monotonic() - t0
+
+    small = lambda: server.score([(prompt, [7, 8, 9])], **setting)  # noqa: E731
+    version = server.weights_version()
+    push = lambda v: server.push(_perturbed(tiny["hf"], seed=v), v, step=v)  # noqa: E731
+    small()
+    idle_score = min(timed(small), timed(small))
+    abandon()
+    next_score = timed(small)
+    idle_push = timed(lambda: push(version + 1))
+    abandon()
+    next_push = timed(lambda: push(version + 2))
+    print(f"{setting}: after hanging up, a small score {next_score:.2f} s (idle {idle_score:.2f}), "
+          f"a push {next_push:.2f} s (idle {idle_push:.2f})")
+    assert next_score < idle_score + 1.5, f"the next small score took {next_score:.1f} s (idle {idle_score:.2f} s)"
+    assert next_push < idle_push + 1.5, f"the next push took {next_push:.1f} s (idle {idle_push:.2f} s)"
+    assert server.weights_version() == version + 2
+
+
+@pytest.mark.vllm
 def test_seeded_batches_repeat_exactly(server, tiny):
     """A seeded batch depends only on (weights, prompts, seed), whatever ran before it."""
     def sample(seed):
@@ -363,6 +409,39 @@ def test_seeded_batches_repeat_exactly(server, tiny):
     server.generate(tiny["prompt_ids"], n=3, max_tokens=5, temperature=1.0)  # moves the engine's RNG
     assert sample(7) == first
     assert sample(8) != first  # 8 samples of 10 tokens from a 454-token vocabulary: a tie is not credible
+
+
+@pytest.mark.vllm
+def test_a_seeded_batch_whose_client_hung_up_while_it_waited_leaves_the_engine_running(server, tiny):
+    """A seeded batch pauses the scheduler (in-flight requests finish first) to reseed it. Bug: the
+    pause was awaited before the block that resumes it, so a client that hung up while the pause
+    waited for a running batch cancelled the handler there and left the engine paused: every later
+    request queued until the next seeded batch or push. Now the scheduler is resumed however the
+    seeded batch ends, and a plain sample after it is served at once."""
+    prompts = tiny["prompt_ids"]
+
+    def client():  # one per thread: a requests session is not shared between threads
+        return InferenceClient(server.client.url, server._token, retry_deadline_s=1)
+
+    busy = {"n": 8, "max_tokens": 200, "temperature": 1.0}  # a plain batch of a few seconds to wait for
+    t0 = time.monotonic()
+    client().generate(prompts, **busy)
+    alone = time.monotonic() - t0
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(lambda: client().generate(prompts * max(1, round(3 / max(alone, 0.1))), **busy))
+        time.sleep(0.5)  # the plain batch runs; the seeded one's pause now waits for it
+        with pytest.raises(ServerUnavailableError, match="no answer within"):
+            client().request("POST", "/grpo/generate", timeout=1.0, retry=False, json_body={
+                "prompt_token_ids": prompts, "n": 2, "max_tokens": 4, "temperature": 1.0, "seed": 11})
+        assert not running.done(), "the plain batch ended before the seeded one hung up: nothing was tested"
+        running.result(timeout=300)
+    small = InferenceClient(server.client.url, server._token, timeout_s=20.0, retry_deadline_s=1)
+    try:
+        t1 = time.monotonic()
+        small.generate(prompts[:1], n=1, max_tokens=4, temperature=1.0)
+        assert time.monotonic() - t1 < 10
+    finally:  # before the fix, a seeded batch was the one way to resume the engine for the tests after this one
+        server.generate(prompts[:1], n=1, max_tokens=2, temperature=1.0, seed=1)
 
 
 @pytest.mark.vllm
@@ -555,7 +634,65 @@ def test_generation_waits_during_a_push(server, tiny):
 
 @pytest.mark.vllm
 def test_health_reports_the_lm_head_dtype_the_engine_runs(server):
-    assert server.client.request("GET", "/grpo/health")["head_dtype"] == "float32"
+    health = server.client.request("GET", "/grpo/health")
+    assert (health["dtype"], health["head_dtype"]) == ("float32", "float32")
+    server.check_head_dtype()  # what a run attached to it checks: fp32 asked, fp32 run
+
+
+@pytest.mark.vllm
+def test_an_attached_server_whose_lm_head_runs_in_another_dtype_is_refused_at_start_up(tiny, tmp_path):
+    """Over 60 s: it starts a bf16 server of its own (~40 s; the module's server is fp32, whose LM head
+    is fp32 whatever server.head_dtype says) and a training run that attaches to it.
+
+    server.head_dtype float32 means alpha's log-probs come from fp32 logits, as the trainer's do. Bug:
+    an attached server's head dtype was never checked (/grpo/health reports it), so a run attached to
+    a server started with --head-dtype model trained with bf16-head log-probs in every ratio. Now the
+    run stops at start-up with one line naming the URL, the server's head dtype and the config's,
+    exit 2, before it changes anything on the server."""
+    from grpo.serving.server import TOKEN_ENV
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    token = tmp_path / "token"
+    token.write_text("t" * 32 + "\n")
+    token.chmod(0o600)
+    (tmp_path / "w").mkdir(mode=0o700)
+    port_file = tmp_path / "port"
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "grpo.serving.server", "--model", str(tiny["model_dir"]), "--weights-root",
+             str(tmp_path / "w"), "--token-file", str(token), "--dtype", "bfloat16", "--head-dtype", "model",
+             "--max-model-len", "256", "--enforce-eager", "--port-file", str(port_file),
+             "--parent-pid", str(os.getpid())],
+            cwd=root, env={**{k: v for k, v in os.environ.items() if k != TOKEN_ENV}, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        client, deadline = None, time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None:
+            if port_file.is_file() and port_file.read_text().strip():
+                client = InferenceClient(f"http://127.0.0.1:{port_file.read_text().strip()}", "t" * 32,
+                                         retry_deadline_s=1)
+                if client.health():
+                    break
+            time.sleep(0.5)
+        assert client is not None and client.health(), (tmp_path / "server.log").read_text()[-3000:]
+        assert client.request("GET", "/grpo/health")["head_dtype"] == "bfloat16"
+        run = subprocess.run(
+            [sys.executable, "train.py", "--config", "configs/tiny_test.yaml", f"model.path={tiny['model_dir']}",
+             f"log.out_dir={tmp_path / 'runs'}", "log.run_name=attached", f"server.url={client.url}",
+             "server.push_mode=bytes", f"server.token_file={token}", "server.dtype=bfloat16", "grpo.S=1", "grpo.M=1"],
+            cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0", "WANDB_MODE": "offline"},
+            capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2, run.stderr[-3000:]
+        errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
+        assert errors == [f"config error: server.head_dtype: {client.url} runs its LM head in bfloat16, the config's "
+                          f"server.head_dtype is float32; start the server with --head-dtype float32, or set "
+                          f"server.head_dtype: model"], run.stderr[-3000:]
+        assert "Traceback" not in run.stderr
+        assert client.weights_version() == 0
+    finally:
+        if group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @pytest.mark.vllm

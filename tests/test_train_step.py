@@ -23,11 +23,15 @@ OVERRIDES = ["grpo.batch_prompts=4", "grpo.G=4", "grpo.i=2", "optim.token_budget
 RATIO_TAIL = os.path.join(ROOT, "examples", "ratio_tail.py")  # a user's instrument (docs/extending.md): it measures only
 
 
-def run_worker(model_dir, out, nproc, tmp_path, batch="fixed", overrides=OVERRIDES):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
+def run_worker(model_dir, out, nproc, tmp_path, batch="fixed", overrides=OVERRIDES, env=None, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            WORKER, str(model_dir), str(out), batch, *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out_text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        raise AssertionError(f"the ranks did not finish within {timeout} s; they printed {out_text[-2000:]}") from None
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -92,6 +96,22 @@ def test_reduce_scattering_every_micro_batch_gives_the_same_step(results, tmp_pa
     assert every["losses"] == pytest.approx(two["losses"], rel=1e-6, abs=1e-8)
     assert every["grad_norms"] == pytest.approx(two["grad_norms"], rel=1e-5)
     assert every["param_abs_sum"] == pytest.approx(two["param_abs_sum"], rel=1e-8)
+
+
+def test_ranks_that_read_unlike_memory_take_one_gradient_sync_path(results, tmp_path):
+    """optim.grad_sync auto decides from the device memory a rank reads. Bug: each rank decided from
+    its own, so ranks on unlike nodes (an H100 beside an H200 at 1.5B) took different paths, one
+    reduce-scattering after every micro-batch and the other after the last only: their collectives
+    paired wrongly (here the ranks hung). Now every rank plans with the least memory of any rank.
+    Rank 0 reads 1 kB (reduce-scatter every micro-batch), rank 1 a petabyte (wait for the last)."""
+    model_dir, _, two = results
+    unlike = run_worker(model_dir, tmp_path / "unlike.json", 2, tmp_path, env={"GRPO_TEST_RANK_MEMORY": f"1000,{2**50}"},
+                        timeout=180)
+    assert [plan[0] for plan in unlike["gradient_sync_plans"]] == [True, True]
+    assert all("of 0 GiB" in why for _, why in unlike["gradient_sync_plans"])  # the least figure, on both
+    assert two["micro_batches"] > 1
+    assert unlike["losses"] == pytest.approx(two["losses"], rel=1e-6, abs=1e-8)
+    assert unlike["param_abs_sum"] == pytest.approx(two["param_abs_sum"], rel=1e-8)
 
 
 def test_closing_frees_the_process_group_while_python_runs(results):

@@ -4,6 +4,7 @@ behind: gigabytes of RAM per crash with a real model. A root's name now holds it
 start time), and making the next root reclaims those whose owner is gone."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,33 @@ def test_a_directory_another_starting_process_reclaims_meanwhile_is_passed_over(
     assert len(looks) == 2  # the window was hit
     monkeypatch.undo()
     assert not dead.exists() and owned_dir(tmp_path, "tmp").is_dir()
+
+
+def test_a_launched_fleet_sizes_dev_shm_for_a_root_per_server(tmp_path):
+    """A push writes one copy into each launched server's root (server.replicas R: R roots), so /dev/shm
+    must hold keep_last + 2 pushes in every one of them. Bug: each replica sized it for itself alone,
+    so the documented 1.5B fleet of 6 in a 16 GB shm container chose /dev/shm and stopped with no
+    space at its first push. A model (a sparse file: its size only) whose pushes fit /dev/shm twice
+    over for one server goes there for one, and to the run directory for four."""
+    from grpo.serving.fleet import ServerFleet
+    from grpo.serving.inference import ServerConfig
+
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        pytest.skip("no writable /dev/shm here")
+    cfg = ServerConfig(keep_last=2)
+    model_bytes = (shutil.disk_usage(shm).free - (1 << 30)) // (2 * (cfg.keep_last + 2))
+    if model_bytes < 1 << 20:
+        pytest.skip("/dev/shm is nearly full here")
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    with open(model_dir / "model.safetensors", "wb") as f:
+        f.truncate(model_bytes)
+    run_dir = tmp_path / "run"
+    one = ServerFleet.replica_configs(cfg, model_dir, run_dir, 1)
+    four = ServerFleet.replica_configs(cfg, model_dir, run_dir, 4)
+    assert [c.weights_root for c in one] == [str(shm)]
+    assert [c.weights_root for c in four] == [str(run_dir.resolve())] * 4
+    # a root the config names is every server's parent, whatever its room
+    assert {c.weights_root for c in ServerFleet.replica_configs(
+        ServerConfig(weights_root=str(tmp_path / "w")), model_dir, run_dir, 4)} == {str(tmp_path / "w")}

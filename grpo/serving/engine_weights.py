@@ -10,14 +10,17 @@ vLLM's prefix-cache reset then fails with only a warning (vllm/v1/core/block_poo
 old weights' KV for equal prefixes. So the engine first finishes what it runs, on the weights it
 started with, and takes no new work (pause_generation, mode "wait") while the weights change; a
 push counts as served only once the reset has succeeded, and a reset that fails is a refused push:
-the previous weights are reloaded, as for any other failure."""
+the previous weights are reloaded, as for any other failure (an error the engine raises, or a
+cancellation). A reset to the model directory (version 0) goes the same way: the served version
+changes only once the engine holds its weights with no KV of the others."""
 import asyncio
+import contextlib
 import json
 import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from grpo.cpu.serving import EngineControl
 from grpo.models import LM_HEAD_KEY, ties_word_embeddings
@@ -39,6 +42,20 @@ def _expected_tensors(model_dir: Path) -> dict[str, tuple[str, list[int]]]:
         for name, info in read_safetensors_header(f).items():
             out[name] = (info["dtype"], list(info["shape"]))
     return out
+
+
+@contextlib.asynccontextmanager
+async def engine_paused(engine):
+    """The engine's scheduler paused for the block: what it runs finishes first, on the weights it
+    started with (mode "wait"), and nothing new starts until the block ends. Resumed however the
+    block ends, the pause's own wait included: a handler cancelled while the pause waited (its client
+    hung up) would otherwise leave the scheduler paused, and every later request queued. The resume
+    is shielded, so a second cancellation cannot skip it."""
+    try:
+        await engine.pause_generation(mode="wait", clear_cache=False)
+        yield
+    finally:
+        await asyncio.shield(engine.resume_generation())
 
 
 def serving_dtype_name(dtype) -> str:
@@ -124,75 +141,43 @@ class WeightsState:
                 raise WeightPushError(f"version {version} is not newer than the served version {self.version}")
             t0 = time.perf_counter()
             # What the engine runs now (none of ours: the gate waited for them) ends on the old weights.
-            await self.engine.pause_generation(mode="wait", clear_cache=False)
-            try:
-                reply = await self._swap(manifest, hashes_checked, t0)
-            finally:
-                await self.engine.resume_generation()
-        return reply
+            async with engine_paused(self.engine):
+                return await self._swap(manifest, hashes_checked, t0)
 
     async def reset(self) -> dict[str, Any]:
         """Serve the model directory again, as version 0: a run that attaches to this server starts
         its own sequence of versions (a new run, or a resumed one whose checkpoint is older than the
         pushes served since). The one way versions go down; directories pushed before stay until
-        pruned, and an upload of a version whose old directory is left replaces it."""
+        pruned, and an upload of a version whose old directory is left replaces it. A reset that
+        fails leaves the served version as it was (_replace)."""
         async with self.gate.writing():
             if self.version == 0 and self.serving_dir == self.model_dir and not self.broken:
                 return {"version": 0, "seconds": 0.0, "unchanged": True}
             t0 = time.perf_counter()
-            await self.engine.pause_generation(mode="wait", clear_cache=False)
-            try:
-                try:
-                    await self._reload(self.model_dir)
-                except Exception as e:
-                    self.broken = f"reloading the model directory as version 0 failed: {e}"
-                    raise WeightPushError(self.broken) from None
+            async with engine_paused(self.engine):
+                await self._replace(self.model_dir)
                 self.version, self.step, self.serving_dir, self.served_digest = 0, 0, self.model_dir, None
                 self.broken = None
                 (self.root / SERVING_MARKER).unlink(missing_ok=True)
-                await self._forget_cached_kv()
-            finally:
-                await self.engine.resume_generation()
             fingerprint = merge_rank_fingerprints(await self.engine.collective_rpc("grpo_weights_fingerprint"))
         return {"version": 0, "seconds": time.perf_counter() - t0, "fingerprint": fingerprint}
 
     async def _swap(self, manifest: dict[str, Any], hashes_checked: bool, t0: float) -> dict[str, Any]:
-        """With the engine idle: load, verify, forget the old KV, fingerprint; or restore and raise."""
+        """With the engine idle: load and verify (_replace), then serve it as its version and
+        fingerprint what the engine holds."""
         path, version = Path(manifest["path"]), manifest["version"]
 
-        # Hash and finiteness are checked in a thread while the engine process loads: they overlap,
-        # and a failure rolls the engine back below.
         def verify() -> None:
-            if not hashes_checked:
-                check_hashes(manifest)
-            check_finite(manifest)
-
-        hash_job = asyncio.get_running_loop().run_in_executor(None, _timed, verify)
-        reason: Optional[str] = None
-        try:
-            await self._reload(path)
-        except Exception as e:  # the engine reports its own errors; keep them for the message
-            reason = f"engine failed to load it: {e}"
-        reload_seconds = time.perf_counter() - t0
-        hash_seconds = 0.0
-        try:
-            hash_seconds = await hash_job
-        except Exception as e:  # a mismatch, or the file vanished or became unreadable
-            reason = str(e) if isinstance(e, WeightPushError) else f"{path}: could not hash: {type(e).__name__}: {e}"
-        if reason is None:
-            try:  # KV cached under the old weights would be reused for equal prefixes otherwise
-                await self._forget_cached_kv()
-            except WeightPushError as e:
-                reason = str(e)
-        if reason is not None:
-            # The engine ran nothing meanwhile (paused), so what it caches was computed with the
-            # weights restored here.
             try:
-                await self._reload(self.serving_dir)
-            except Exception as e:
-                self.broken = f"restoring version {self.version} failed after a rejected push: {e}"
-                raise WeightPushError(f"{reason}; {self.broken}") from None
-            raise WeightPushError(f"{reason}; still serving version {self.version}")
+                if not hashes_checked:
+                    check_hashes(manifest)
+                check_finite(manifest)
+            except WeightPushError:
+                raise
+            except Exception as e:  # the file vanished or became unreadable
+                raise WeightPushError(f"{path}: could not hash: {type(e).__name__}: {e}") from None
+
+        reload_seconds, hash_seconds = await self._replace(path, verify)
         seconds = time.perf_counter() - t0
         self.version, self.step, self.serving_dir = version, manifest.get("step", 0), path
         self.served_digest = manifest["files"][0][manifest["hash"]]
@@ -207,3 +192,48 @@ class WeightsState:
         return {"version": version, "seconds": seconds, "bytes": sum(f["bytes"] for f in manifest["files"]),
                 "reload_seconds": reload_seconds, "hash_seconds": hash_seconds, "fingerprint": fingerprint,
                 "fingerprint_seconds": fingerprint_seconds}
+
+    async def _replace(self, path: Path, verify: Optional[Callable[[], None]] = None) -> tuple[float, float]:
+        """With the engine paused: load `path` and forget the KV cached under the weights it replaces;
+        (reload seconds, verify seconds). `verify` (a check of the files that raises WeightPushError)
+        runs in a thread while the engine loads: they overlap. The caller changes the served version
+        only after this returns. On any failure, a cancellation included, the weights of the served
+        version are loaded again before anything is raised (_restore), so the version the server
+        reports always names the weights the engine holds."""
+        t0 = time.perf_counter()
+        job = asyncio.get_running_loop().run_in_executor(None, _timed, verify) if verify else None
+        try:
+            try:
+                await self._reload(path)
+            except Exception as e:  # the engine reports its own errors; keep them for the message
+                raise WeightPushError(f"engine failed to load it: {e}") from None
+            finally:
+                reload_seconds = time.perf_counter() - t0
+                verify_seconds = await job if job is not None else 0.0  # a failed check is the reason given
+            # KV cached under the old weights would be reused for equal prefixes otherwise
+            await self._forget_cached_kv()
+        except BaseException as failure:
+            await self._restore(failure)
+        return reload_seconds, verify_seconds
+
+    async def _restore(self, failure: BaseException) -> NoReturn:
+        """After a failed load: the served version's weights loaded again, then `failure` raised (a
+        cancellation as it is, anything else as a refused load, WeightPushError). The engine ran
+        nothing meanwhile (paused), so what it caches was computed with the weights restored here.
+        If the restore fails too, the server is broken (health answers 503) until a load succeeds."""
+        if isinstance(failure, WeightPushError):
+            reason = str(failure)
+        elif isinstance(failure, asyncio.CancelledError):
+            reason = "the load was cancelled"
+        else:
+            reason = f"{type(failure).__name__}: {failure}"
+        try:
+            await self._reload(self.serving_dir)
+        except BaseException as e:
+            self.broken = f"restoring version {self.version} failed after a rejected load: {e}"
+            if not isinstance(failure, Exception):
+                raise failure from None
+            raise WeightPushError(f"{reason}; {self.broken}") from None
+        if not isinstance(failure, Exception):
+            raise failure
+        raise WeightPushError(f"{reason}; still serving version {self.version}") from None

@@ -46,7 +46,7 @@ import torch
 from grpo import metrics
 from grpo.cpu import CPUConfig
 from grpo.serving.client import AttachError, GenerationResult, InferenceServerError, ScoreResult
-from grpo.serving.inference import InferenceServer, ServerConfig
+from grpo.serving.inference import InferenceServer, ServerConfig, weights_parent
 
 metrics.declare("fleet_server*", "time", "with several inference servers (server.replicas or server.urls): "
                 "fleet_server<r>_groups, the batch's groups server r sampled (groups g with g mod R = r), "
@@ -94,7 +94,7 @@ class ServerFleet:
             return cls.attach(model_dir, cfg, run_dir)
         gpus = list(gpus)
         many = len(gpus) > 1
-        configs = [replace(cfg, replicas=1, port=cfg.port + r if cfg.port else 0) for r in range(len(gpus))]
+        configs = cls.replica_configs(cfg, model_dir, run_dir, len(gpus))
         starts = [lambda r=r: InferenceServer.launch(model_dir, configs[r], run_dir, gpu=gpus[r],
                                                      gpu_memory_utilization=gpu_memory_utilization, cpu=cpu,
                                                      name=f"server{r}" if many else "server")
@@ -128,6 +128,17 @@ class ServerFleet:
         if failed:
             raise AttachError("; ".join(str(e) for e in failed))
         return cls([f.result() for f in futures])
+
+    @staticmethod
+    def replica_configs(cfg: ServerConfig, model_dir: str | Path, run_dir: str | Path, replicas: int
+                        ) -> list[ServerConfig]:
+        """Each launched server's own config: one server each (on server.port + r where a port is
+        set), and the parent of its private weights root decided once for all of them
+        (grpo.serving.inference.weights_parent): every server has a root of its own there and a push
+        writes one copy into each, so /dev/shm is chosen only when it holds the pushes of all R."""
+        parent = weights_parent(cfg, Path(model_dir), Path(run_dir).resolve(), roots=replicas)
+        return [replace(cfg, replicas=1, port=cfg.port + r if cfg.port else 0, weights_root=str(parent))
+                for r in range(replicas)]
 
     # -- parallel calls
     def _each(self, call: Callable[[int, InferenceServer], object], which: Optional[Sequence[int]] = None

@@ -30,6 +30,7 @@ from typing import Literal, Optional
 
 import torch
 
+from grpo.config import ConfigError
 from grpo.cpu import CPUConfig
 from grpo.cpu.bf16 import multiplies_bf16
 from grpo.fsutil import owned_dir
@@ -57,8 +58,9 @@ class ServerConfig:
     port: int = 0  # port of the launched server; 0 = pick a free one
     device: str = "auto"  # the server's GPU as an index into the visible GPUs ("auto": the first), or "cpu"
     dtype: str = "auto"  # serving dtype (vLLM --dtype); float32 makes greedy outputs match HF exactly
-    weights_root: Optional[str] = None  # launch: where its private weights root is made (default /dev/shm if roomy,
-    #                                     else the run dir); attach with push_mode path: the server's own root
+    weights_root: Optional[str] = None  # launch: where its private weights roots are made (default /dev/shm if
+    #                                     it holds every replica's pushes, else the run dir); attach with push_mode
+    #                                     path: the server's own root
     keep_last: int = 2  # weight directories kept after each push (>= 1; the served one is always kept)
     push_mode: Literal["path", "bytes"] = "path"  # path: shared filesystem; bytes: file in the request body
     weights_hash: Literal["sha256", "blake3"] = "blake3"  # manifest checksum: blake3 is faster than sha256 (docs/benchmarks)
@@ -172,13 +174,20 @@ def _private_root(parent: Path, name: str) -> Path:
     return owned_dir(parent, "weights", name)
 
 
-def _default_parent(run_dir: Path, need_bytes: int, keep_last: int) -> Path:
-    """/dev/shm when tmpfs has room for keep_last + 2 pushes (the server then reads the trainer's
-    writes from memory, no disk), else the run directory."""
+def weights_parent(cfg: ServerConfig, model_dir: Path, run_dir: Path, roots: int = 1) -> Path:
+    """Where launched servers make their private weights roots: server.weights_root if set, else
+    /dev/shm when tmpfs has room for keep_last + 2 pushes in each of `roots` roots (the server then
+    reads the trainer's writes from memory, no disk), else the run directory. A fleet's launched
+    servers have a root each, and a push writes a copy into every one (grpo/serving/fleet.py): the
+    fleet asks for all its roots at once."""
+    if cfg.weights_root:
+        return Path(cfg.weights_root)
+    model_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    need = roots * model_bytes * (cfg.keep_last + 2) + (1 << 30)
     shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > need_bytes * (keep_last + 2) + (1 << 30):
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > need:
         return shm
-    return run_dir
+    return Path(run_dir)
 
 
 def server_command(cfg: ServerConfig, model_dir: Path, root: Path, server_dir: Path, dtype: torch.dtype,
@@ -243,12 +252,12 @@ class InferenceServer:
         if cfg.url:  # answers and takes the token, or AttachError (nothing on the server changed)
             client = attach(cfg.url, cfg.token_file, cfg.request_timeout_s, cfg.retry_deadline_s)
             root = Path(cfg.weights_root) if cfg.push_mode == "path" else None
-            return cls(cfg, client, model_dir, run_dir, root)
+            server = cls(cfg, client, model_dir, run_dir, root)
+            server.check_head_dtype()  # started by someone else, with its own --head-dtype
+            return server
         server_dir = run_dir / name
         server_dir.mkdir(parents=True, exist_ok=True)
-        model_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-        parent = Path(cfg.weights_root) if cfg.weights_root else _default_parent(run_dir, model_bytes, cfg.keep_last)
-        root = _private_root(parent, run_dir.name)
+        root = _private_root(weights_parent(cfg, model_dir, run_dir), run_dir.name)
         token = secrets.token_urlsafe(32)
         token_file = server_dir / "token"
         token_file.unlink(missing_ok=True)
@@ -435,6 +444,22 @@ class InferenceServer:
             print(f"[grpo] inference server {self.url} served version {version} (another run's, or this run's "
                   f"past its checkpoint); reset to its model directory, version 0", file=sys.stderr)
             self.reset()
+
+    def check_head_dtype(self) -> None:
+        """The server's LM head runs in the dtype server.head_dtype asks: float32 (alpha's log-probs
+        from fp32 logits, as the trainer's) or "model" (the serving dtype). An attached server was
+        started by someone else with its own --head-dtype: checked as it is attached, ConfigError
+        naming the URL and both dtypes when it differs, before anything on the server changes."""
+        health = self.client.request("GET", "/grpo/health")
+        head = health.get("head_dtype")
+        served = health.get("dtype") or str(self.serve_dtype).removeprefix("torch.")
+        wanted = "float32" if self.cfg.head_dtype == "float32" else served
+        if head is not None and head != wanted:
+            other = "float32" if head == "float32" else "model"
+            raise ConfigError(f"server.head_dtype: {self.url} runs its LM head in {head}, the config's "
+                              f"server.head_dtype is {self.cfg.head_dtype}"
+                              f"{'' if self.cfg.head_dtype == wanted else f' ({wanted} there)'}; start the server "
+                              f"with --head-dtype {self.cfg.head_dtype}, or set server.head_dtype: {other}")
 
     # -- lifecycle
     def _report_restart(self, error: Exception) -> None:

@@ -1,6 +1,6 @@
 """The server's own routes, beside vLLM's OpenAI app:
 
-  GET  /grpo/health          open; 200 {"ok", "weights_version", "sampler", "head_dtype"} or 503 with the reason
+  GET  /grpo/health          open; 200 {"ok", "weights_version", "sampler", "dtype", "head_dtype"} or 503 with the reason
   GET  /grpo/weights_version open; {"weights_version", "step", "dir"}
   POST /grpo/generate        B prompts (token ids) x n samples -> token ids, log-probs, finish reasons
   POST /grpo/score           (prompt, completion) token ids -> each completion token's log-prob, as sampled
@@ -14,6 +14,7 @@ Each route is one method of `Routes`; what they share is the engine's weights st
 """
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -28,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from grpo.fsutil import HashError, new_hasher
 from grpo.serving.client import SCORE_MAX_TOKENS
-from grpo.serving.engine_weights import WeightsState
+from grpo.serving.engine_weights import WeightsState, engine_paused
 from grpo.serving.weights_check import check_weights_dir
 from grpo.serving.weights_dir import (MANIFEST_FORMAT, MANIFEST_NAME, WEIGHTS_FILE, WeightPushError, prune_weights,
                                       weights_dir_name)
@@ -126,6 +127,26 @@ async def drain(queue):
             return final
 
 
+async def at_most(width: int, calls: list) -> list:
+    """[await call() for call in calls], with at most `width` of them running at a time. If one
+    raises, or this is cancelled, the others are cancelled (and have ended) before it propagates."""
+    results: list = [None] * len(calls)
+    indices = iter(range(len(calls)))
+
+    async def worker():
+        for i in indices:  # shared: each index is taken by one worker
+            results[i] = await calls[i]()
+
+    workers = [asyncio.ensure_future(worker()) for _ in range(min(width, len(calls)))]
+    try:
+        await asyncio.gather(*workers)
+    finally:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return results
+
+
 class ClientGone(Exception):
     """The client of a request hung up before its answer was ready."""
 
@@ -163,6 +184,8 @@ class Routes:
         self.max_model_len = max_model_len
         self.upload_timeout_s = upload_timeout_s
         self.seeded_lock = asyncio.Lock()  # one seeded batch at a time: reseeding is engine-global
+        # a score's engine requests in flight at once: twice what the scheduler batches, so it never waits for one
+        self.score_window = 2 * state.engine.vllm_config.scheduler_config.max_num_seqs
         self.uploading: set[int] = set()  # versions whose upload is in flight
 
     def router(self) -> APIRouter:
@@ -181,8 +204,10 @@ class Routes:
             return error(503, self.state.broken)
         if self.engine.errored:
             return error(503, "the vLLM engine is dead")
+        config = self.engine.model_config
         return {"ok": True, "weights_version": self.state.version, "sampler": self.control.sampler,
-                "head_dtype": str(self.engine.model_config.head_dtype).removeprefix("torch.")}
+                "dtype": str(config.dtype).removeprefix("torch."),
+                "head_dtype": str(config.head_dtype).removeprefix("torch.")}
 
     async def weights_version(self):
         return {"weights_version": self.state.version, "step": self.state.step, "dir": self.state.serving_dir.name}
@@ -265,14 +290,11 @@ class Routes:
         workers, queue every request, resume."""
         base = uuid.uuid4().hex
         async with self.seeded_lock:
-            await self.engine.pause_generation(mode="wait", clear_cache=False)
-            try:
+            async with engine_paused(self.engine):
                 await self.control.use(req.threads)
                 await self.engine.collective_rpc("grpo_reseed", args=(req.seed,))
                 queues = [await self.engine.add_request(f"grpo-{base}-{i}", {"prompt_token_ids": ids}, params)
                           for i, ids in enumerate(req.prompt_token_ids)]
-            finally:
-                await self.engine.resume_generation()
             try:
                 finals = await asyncio.gather(*(drain(q) for q in queues))
             except asyncio.CancelledError:  # requests added this way are not aborted by the engine itself
@@ -305,7 +327,11 @@ class Routes:
         exact, nothing is filtered), so its log-probs are the model's log-softmax, which the engine
         gives for every prompt position of one request: a sequence per request (`whole_sequence`).
         Otherwise the sampler is the only place that applies T, top-k and top-p (prompt_logprobs
-        are raw log-softmax), so each position is one request (`one_position`)."""
+        are raw log-softmax), so each position is one request (`one_position`).
+
+        The requests go to the engine score_window at a time, and a score that stops (its client
+        hung up, or a request failed) aborts those in the engine in one call: the engine is free
+        within a poll and a step, whatever the temperature."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -324,11 +350,13 @@ class Routes:
             return error(400, str(e))
         base = uuid.uuid4().hex
         per_sequence = req.temperature == 1.0 and req.top_p == 1.0 and req.top_k <= 0
+        outstanding = set()  # this score's requests added and not finished: aborted in one call if it stops
 
         async def finished(key: str, prompt: list[int], params):
-            final = None
-            async for out in self.engine.generate({"prompt_token_ids": prompt}, params, f"grpo-score-{base}-{key}"):
-                final = out
+            request_id = f"grpo-score-{base}-{key}"
+            outstanding.add(request_id)  # before it is added: a cancel inside add_request may leave it there
+            final = await drain(await self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params))
+            outstanding.discard(request_id)
             return final
 
         async def one_position(i: int, t: int) -> Optional[float]:
@@ -351,12 +379,21 @@ class Routes:
 
         async def every_position():
             await self.control.use(None)  # all of a CPU engine's threads, as an unsplit generate batch
-            # every request at once: the scheduler batches them
+            calls = ([functools.partial(whole_sequence, i) for i in range(len(req.sequences))] if per_sequence else
+                     [functools.partial(one_position, i, t) for i, seq in enumerate(req.sequences)
+                      for t in range(len(seq.completion_token_ids))])
+            try:
+                # score_window requests in the engine at a time, enough for the scheduler's batches: a
+                # client that hangs up leaves that many to abort, not one per completion token
+                results = await at_most(self.score_window, calls)
+            except BaseException:  # requests added with add_request are not aborted by the engine itself
+                # one call for all: one by one, each abort is a message of its own and a scan of the
+                # engine's waiting queue (thousands of them held the engine for seconds)
+                await asyncio.shield(self.engine.abort(list(outstanding)))
+                raise
             if per_sequence:
-                return await asyncio.gather(*(whole_sequence(i) for i in range(len(req.sequences))))
-            flat = await asyncio.gather(*(one_position(i, t) for i, seq in enumerate(req.sequences)
-                                          for t in range(len(seq.completion_token_ids))))
-            out, k = [], 0
+                return results
+            flat, out, k = results, [], 0
             for seq in req.sequences:
                 out.append(flat[k:k + len(seq.completion_token_ids)])
                 k += len(seq.completion_token_ids)
