@@ -221,11 +221,12 @@ def setup(cfg: TrainConfig, resume: bool) -> tuple[Run, Progress]:
         sampler = named_input("data", lambda: make_sampler(cfg.data, cfg.grpo.batch_prompts, seed=cfg.seed))
         if cfg.eval_data is not None:
             eval_problems = named_input("eval_data", lambda: load_problems(cfg.eval_data))
-        if eval_reads_training_data(cfg):
-            print(f"[train] {eval_reads_training_data(cfg)}", file=sys.stderr)
         check_prompts_fit(cfg, tokenizer, sampler, eval_problems)
         if cfg.server.attached and not cfg.replay:
             attached = ServerFleet.attach(cfg.model.path, cfg.server, run_dir)
+        # a note, once every input is accepted: a refused input stays one line
+        if eval_reads_training_data(cfg):
+            print(f"[train] {eval_reads_training_data(cfg)}", file=sys.stderr)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
