@@ -34,14 +34,16 @@ demo: install
 # The CPU replica of the paper's Figure 2 (docs/fig2_design.md; the page docs/fig2_cpu.md): the arms of
 # the pre-set design FIG2_DESIGN x its seeds and the v-sweep (v = 2, 5, 20, descriptive) from
 # configs/cpu_fig2.yaml, then the objectives replayed on a v10-i1 recording, then the page, every
-# verdict computed by the design's tests. The seeds, arms and sweep names here are the design file's
-# (tests/test_fig2_power.py checks it). A killed replicate continues where it stopped (make replicate).
+# verdict computed by the design's tests. The seeds, the arms with their overrides and the sweep names here
+# are the design file's (tests/test_fig2_power.py checks it). A killed replicate continues where it stopped
+# (make replicate).
 FIG2_DESIGN := configs/designs/fig2_cpu.yaml
 FIG2_SEEDS := 10,11,12,13,14,15,16,17,18,19
 VSWEEP_SEEDS := 10,11,12
 FIG2 := --point v1-i1 --point v1-i1-b5 grpo.M=5 --point v1-i1-mask objective.mask_zero_variance=true \
 	--point v1-i1-beta0 objective.beta=0 --point v10-i1 grpo.v=10 parity.every=1 log.save_rollouts=true \
-	--point v1-i10 grpo.i=10 grpo.M=5 eval_every=1
+	--point v1-i10 grpo.i=10 grpo.M=5 eval_every=1 --point lag1 grpo.lag=1 \
+	--point drift-push push.policy=drift push.tv_threshold=0.03 push.max_interval=10
 VSWEEP := --point v2 grpo.v=2 --point v5 grpo.v=5 --point v20 grpo.v=20 eval_every=20
 OBJECTIVES := --objective grpo --objective "exact: objective.ratio_anchor=exact" \
 	--objective "cispo: objective.loss=cispo objective.aggregation=token_mean objective.eps_low_is=1.0 objective.eps_high_is=0.28" \

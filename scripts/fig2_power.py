@@ -11,6 +11,10 @@ and a final line of JSON with all of it. The design file must hold the eval size
 the rule picks (tests/test_fig2_power.py checks that), so a change to the pilot's numbers or to
 the rule shows up as a design that no longer follows from them.
 
+The drift-push arm's threshold follows a rule too (`choose_drift_threshold`): the pilot's tv_staleness by
+lag, run through the push policy's own decisions, predicts its pushes; the design file's threshold
+must be the one the rule picks.
+
 The sizing rule, fixed with the design:
   eval  all held-out problems x the smallest k of EVAL_K whose binomial variance is at most
         EVAL_SHARE of the planning variance of every primary test whose between-seed variance the
@@ -40,6 +44,9 @@ from typing import Optional
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from grpo.push_policy import PushConfig, PushSchedule  # noqa: E402  (the drift-push arm's own decisions)
+
 DESIGN = ROOT / "configs" / "designs" / "fig2_cpu.yaml"
 
 EVAL_K = (4, 8, 16, 32)  # samples per problem the rule chooses from (the issue: 16-32 over all problems)
@@ -83,6 +90,9 @@ PILOT = {
     # wall minutes per run (mean over 3 seeds, every attempt; "Per setting") and its evals: on a
     # 2-core AMD EPYC (AVX2, fp32) shared with other work, so an upper bound for a quiet machine
     "run_minutes": {"v1-i1": (15.7, 11), "v1-i1-mask": (12.6, 6), "v10-i1": (14.1, 6), "v1-i10": (6.4, 6)},
+    # v10-i1's tv_staleness (TV(pi_k, pi_push) on the batch's first pass) at lags 0-9 of its window, mean over
+    # the seeds ("Inside a v-window: v10-i1 by lag"): what drift-push's threshold is picked from
+    "tv_staleness_by_lag": [0.0, 0.0204, 0.0382, 0.0514, 0.0669, 0.0698, 0.0753, 0.0863, 0.0906, 0.0913],
 }
 
 
@@ -209,14 +219,20 @@ class Design:
     margin: float
     level: float
     power: float
-    arms: dict  # name -> {"what": ..., "pending": reason (absent when the arm can run)}
+    arms: dict  # name -> {"what": ..., "overrides": "key=value ...", "pending": reason (absent when the arm can run)}
 
     @property
     def eval_samples(self) -> int:
         return self.n_problems * self.k
 
-    def runnable(self) -> list[str]:
-        return [a for a, spec in self.arms.items() if not spec.get("pending")]
+    def runnable(self) -> dict[str, tuple[str, ...]]:
+        """{arm: its overrides} of the arms that can run: the Makefile's FIG2 points, in order."""
+        return {a: tuple(spec["overrides"].split()) for a, spec in self.arms.items() if not spec.get("pending")}
+
+    def setting(self, arm: str, key: str) -> Optional[str]:
+        """The value an arm's overrides give `key` (None: the config's)."""
+        found = [o.partition("=")[2] for o in self.arms[arm]["overrides"].split() if o.partition("=")[0] == key]
+        return found[-1] if found else None
 
 
 def load_design(path: Path = DESIGN) -> Design:
@@ -243,8 +259,13 @@ def load_design(path: Path = DESIGN) -> Design:
                 or len(set(seeds)) != len(seeds):
             raise DesignError(f"{path}: {key}: expected two or more distinct integers, got {seeds!r}")
     arms = raw["arms"]
-    if not isinstance(arms, dict) or not all(isinstance(a, dict) and "what" in a for a in arms.values()):
-        raise DesignError(f"{path}: arms: expected NAME: {{what: ..., pending: ...}} entries")
+    if not isinstance(arms, dict):
+        raise DesignError(f"{path}: arms: expected NAME: {{what: ..., overrides: ...}} entries")
+    for name, spec in arms.items():
+        if not isinstance(spec, dict) or not isinstance(spec.get("what"), str) \
+                or not isinstance(spec.get("overrides"), str) or set(spec) - {"what", "overrides", "pending"}:
+            raise DesignError(f"{path}: arms: {name}: expected {{what: TEXT, overrides: \"key=value ...\"}} "
+                              f"(and pending: REASON while it cannot run), got {spec!r}")
     for key in ("margin", "level", "power"):
         if not isinstance(raw[key], (int, float)) or not 0 < raw[key] < 1:
             raise DesignError(f"{path}: {key}: expected a number in (0, 1), got {raw[key]!r}")
@@ -260,10 +281,12 @@ def load_design(path: Path = DESIGN) -> Design:
 @dataclasses.dataclass(frozen=True)
 class Test:
     """One pre-set test: `metric` of arm a minus (or against) arm b, oriented so the claim says "above
-    the threshold". metric: learning (mean pass@1 over the design's checkpoints), drawdown, at (pass@1
-    after the design's equal_samples batches, arm a and b each at its own step), gain (a's learning
-    minus its step-0 pass@1), unstable (a's drawdown minus the mean drawdown eval noise alone gives a
-    flat curve). threshold: "zero" or "margin" (non-inferiority: above -margin)."""
+    the threshold". metric: learning (mean pass@1 over the design's checkpoints: each checkpoint's eval,
+    which for drift-push is the first after it, at its first push there; arm b is read at arm a's eval
+    steps, interpolated linearly between b's evals where they differ), drawdown, at (pass@1 after the
+    design's equal_samples batches, arm a and b each at its own step), gain (a's learning minus its
+    step-0 pass@1), unstable (a's drawdown minus the mean drawdown eval noise alone gives a flat curve).
+    threshold: "zero" or "margin" (non-inferiority: above -margin)."""
 
     id: str
     claim: str  # a, b, c, d, control, or a pending arm's name
@@ -309,18 +332,18 @@ TESTS = (
     Test("k1", "control", "the masking explanation's control: without the KL term (beta = 0) v1-i1 learns faster",
          "learning", "v1-i1-beta0", "v1-i1", "zero", "primary", pilot="learning v10-i1 - v1-i1",
          pilot_note="planned with v10-i1's spread against v1-i1 (an arm against v1-i1 on the same metric)"),
-    Test("e1", "lag1", "lag-1 pipelining matches v1-i1 at equal samples: mean pass@1, not below by the margin",
-         "learning", "lag1", "v1-i1", "margin", "primary", pilot="learning v10-i1 - v1-i1",
-         pilot_note="planned with v10-i1's spread against v1-i1"),
+    Test("e1", "lag1", "lag-1 pipelining matches v1-i1 at equal samples and equal pushes (both push every "
+         "iteration): mean pass@1, not below by the margin", "learning", "lag1", "v1-i1", "margin", "primary",
+         pilot="learning v10-i1 - v1-i1", pilot_note="planned with v10-i1's spread against v1-i1"),
     Test("e2", "lag1", "lag-1 pipelining against v10-i1 at equal samples: mean pass@1, lag1 above", "learning",
          "lag1", "v10-i1", "zero", "secondary", pilot="learning v10-i1 - v1-i1",
          pilot_note="planned with v10-i1's spread against v1-i1"),
-    Test("f1", "drift-push", "the drift-driven push policy matches v1-i1 at equal samples: mean pass@1, not below "
-         "by the margin", "learning", "drift-push", "v1-i1", "margin", "primary", pilot="learning v10-i1 - v1-i1",
-         pilot_note="planned with v10-i1's spread against v1-i1"),
-    Test("f2", "drift-push", "the drift-driven push policy matches v10-i1 at equal samples: mean pass@1, not below "
-         "by the margin", "learning", "drift-push", "v10-i1", "margin", "secondary", pilot="learning v10-i1 - v1-i1",
-         pilot_note="planned with v10-i1's spread against v1-i1"),
+    Test("f1", "drift-push", "the drift-driven push policy matches v1-i1 at equal samples: mean pass@1 at its "
+         "evals, v1-i1 read at the same steps, not below by the margin", "learning", "drift-push", "v1-i1", "margin",
+         "primary", pilot="learning v10-i1 - v1-i1", pilot_note="planned with v10-i1's spread against v1-i1"),
+    Test("f2", "drift-push", "the drift-driven push policy matches v10-i1 at equal samples: mean pass@1 at its "
+         "evals, v10-i1 read at the same steps, not below by the margin", "learning", "drift-push", "v10-i1",
+         "margin", "secondary", pilot="learning v10-i1 - v1-i1", pilot_note="planned with v10-i1's spread against v1-i1"),
 )
 
 CLAIMS = {
@@ -443,16 +466,77 @@ def choose_seeds(design: Design, pilot: dict = PILOT) -> Optional[int]:
     return seeds_for(spread.sd, 0.0, -design.margin, design.level, design.power)
 
 
+# ---------------------------------------------------------------------------------------------
+# the drift-push arm: its threshold, picked from the pilot's drift by lag
+
+DRIFT_ARM = "drift-push"
+OFF_POLICY_V = 10  # v10-i1's v: drift-push must push less often than v1-i1 and more often than v10-i1
+
+
+@dataclasses.dataclass(frozen=True)
+class DriftPlan:
+    threshold: float
+    min_interval: int
+    max_interval: int
+    pushes: tuple[int, ...]  # the batches a push comes before
+    total_pushes: int  # at the last eval (train.finish pushes once more): what eval/weights_version says there
+    eval_steps: tuple[int, ...]  # the step of each checkpoint's eval
+
+
+def drift_plan(threshold: float, iterations: int, eval_every: int, min_interval: int = 1, max_interval: int = 10,
+               pilot: dict = PILOT) -> DriftPlan:
+    """The pushes drift-push makes if every batch shows the pilot's mean tv_staleness at its lag (the
+    last lag's beyond the pilot's table), decided by grpo.push_policy's own PushSchedule; and where its
+    evals land: right after the first push at or after each multiple of eval_every (train.eval_due), the
+    last one after training (train.finish)."""
+    staleness = pilot["tv_staleness_by_lag"]
+    schedule = PushSchedule(PushConfig(policy="drift", tv_threshold=threshold, min_interval=min_interval,
+                                       max_interval=max_interval), v=1)
+    pushes, pushed_at, eval_steps = [], 0, []
+    for k in range(iterations):
+        if k > 0 and schedule.due(k, since=k - pushed_at).push:
+            if k // eval_every > pushed_at // eval_every or k % eval_every == 0:
+                eval_steps.append(k)
+            pushes.append(k)
+            pushed_at = k
+        schedule.measured({"tv_staleness": staleness[min(k - pushed_at, len(staleness) - 1)]})
+    return DriftPlan(threshold, min_interval, max_interval, tuple(pushes), len(pushes) + 1,
+                     tuple(eval_steps) + (iterations,))
+
+
+def choose_drift_threshold(design: Design, pilot: dict = PILOT) -> DriftPlan:
+    """The threshold halfway between the pilot's tv_staleness at two neighbouring lags (rounded to two
+    decimals, still strictly between them) whose predicted pushes by the last checkpoint are nearest, in
+    ratio, to the geometric mean of v1-i1's and v10-i1's: as far from one as from the other. The
+    intervals come from the design's drift-push overrides (the config's defaults where it sets none)."""
+    iterations = design.checkpoints[-1]
+    target = math.sqrt(iterations * iterations / OFF_POLICY_V)
+    defaults = PushConfig()
+    min_interval = int(design.setting(DRIFT_ARM, "push.min_interval") or defaults.min_interval)
+    max_interval = int(design.setting(DRIFT_ARM, "push.max_interval") or defaults.max_interval)
+    staleness = pilot["tv_staleness_by_lag"]
+    candidates = []
+    for low, high in zip(staleness, staleness[1:]):
+        threshold = round((low + high) / 2, 2)
+        if low < threshold < high:
+            candidates.append(drift_plan(threshold, iterations, design.checkpoints[0], min_interval, max_interval,
+                                         pilot))
+    return min(candidates, key=lambda c: abs(math.log(c.total_pushes / target)))
+
+
 def run_minutes(design: Design, pilot: dict = PILOT) -> dict[str, float]:
     """Minutes per run of each runnable arm at the design's eval: the pilot's minutes without its evals
     (a shared machine's: an upper bound), plus the design's evals at the pilot's cost per completion.
     Arms the pilot did not run take the nearest one's: v1-i1-beta0 v1-i1's (it also skips the
-    reference's forward), v1-i1-b5 v1-i10's (the start-up and 5 batches, fewer steps)."""
+    reference's forward), v1-i1-b5 v1-i10's (the start-up and 5 batches, fewer steps), lag1 and
+    drift-push v10-i1's, the dearer of the pilot's 50-step arms without the eval (like v10-i1 they score
+    every batch with a copy of the pushed weights for the staleness split; a push is ~3% of an iteration)."""
     per_sample = eval_minutes_per_sample(pilot)
     base = {arm: minutes - evals * per_sample * pilot["eval_samples"]
             for arm, (minutes, evals) in pilot["run_minutes"].items()}
     base["v1-i1-beta0"] = base["v1-i1"]
     base["v1-i1-b5"] = base["v1-i10"]
+    base["lag1"] = base["drift-push"] = base["v10-i1"]
     evals = {arm: 1 + len(design.checkpoints) for arm in base}
     evals["v1-i1-b5"] = 2  # step 0 and after its 5 batches
     return {arm: base[arm] + evals[arm] * design.eval_samples * per_sample
@@ -470,6 +554,7 @@ def vsweep_minutes(design: Design, pilot: dict = PILOT) -> float:
 
 def report(design: Design) -> dict:
     planned = plan(design)
+    drift = choose_drift_threshold(design) if DRIFT_ARM in design.runnable() else None
     minutes = run_minutes(design)
     per_seed = sum(minutes.values())
     alternatives = {}
@@ -488,6 +573,12 @@ def report(design: Design) -> dict:
         "minutes_per_seed": round(per_seed, 1), "hours_all_seeds": round(per_seed * len(design.seeds) / 60, 1),
         "vsweep_hours": round(vsweep_minutes(design) * len(design.vsweep_seeds) / 60, 1),
         "eval_k_alternatives": alternatives,
+        "drift": None if drift is None else {
+            "chosen_threshold": drift.threshold, "design_threshold": float(design.setting(DRIFT_ARM, "push.tv_threshold")
+                                                                        or PushConfig().tv_threshold),
+            "interval": drift.pushes[1] - drift.pushes[0] if len(drift.pushes) > 1 else None,
+            "pushes": drift.total_pushes, "eval_steps": list(drift.eval_steps),
+            "pushes_v1_i1": design.checkpoints[-1], "pushes_v10_i1": design.checkpoints[-1] // OFF_POLICY_V},
         "tests": {p.test.id: {"sd": None if p.sd is None else round(p.sd, 4), "effect": p.effect,
                               "threshold": p.threshold,
                               "eval_share": None if p.eval_share is None else round(p.eval_share, 3),
@@ -530,6 +621,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"{alt['largest_eval_share']:.0%}" for k, alt in out["eval_k_alternatives"].items()))
     print(f"the rule picks: eval k = {out['chosen_eval_k']} (all {design.n_problems} problems), "
           f"{out['chosen_seeds']} seeds; the design holds k = {design.k}, {len(design.seeds)} seeds")
+    if out["drift"]:
+        d = out["drift"]
+        print(f"{DRIFT_ARM}: the rule picks tv_threshold {d['chosen_threshold']:g} (the design holds "
+              f"{d['design_threshold']:g}): at the pilot's drift by lag a push every {d['interval']} iterations, "
+              f"{d['pushes']} pushes by step {design.checkpoints[-1]} (v1-i1 {d['pushes_v1_i1']}, v10-i1 "
+              f"{d['pushes_v10_i1']}), its checkpoints evaluated at steps {d['eval_steps']}")
     print(json.dumps(out))
     return 0
 

@@ -15,7 +15,8 @@ band), <out>_lag.png (the off-policy instruments by lag inside a v-window) and <
   the runs: every arm x seed of the design, counted or why not;
   the verdicts: every pre-set test of scripts/fig2_power.TESTS, its per-seed values, mean and t
     interval, its planned power and the eval's standard error, and each claim's verdict;
-  descriptive parts, without verdicts: every checkpoint's paired difference, the per-arm table,
+  descriptive parts, without verdicts: every checkpoint's paired difference, each arm's pushes at each
+    checkpoint (the comparisons at equal pushes that have no test), the per-arm table,
     v10-i1's instruments by lag, the v-sweep, the objectives' replay.
 
 A run is counted when it has finished (its final/ export), every start of it recorded
@@ -29,8 +30,9 @@ every point of a sweep, and `make replicate` alone regenerates it.
 The test (docs/fig2_design.md): the seeds' paired differences, their mean and the two-sided `level`
 Student t interval; holds when it lies above the threshold (0, or -margin for "matches"), does not
 hold when it lies below, not resolved when it straddles. A claim holds when all its primary tests
-hold, does not hold when one does not. A sweep of other seeds or arms than the design's is refused
-(one line, exit 2).
+hold, does not hold when one does not. drift-push evaluates right after a push (the first at or after
+each checkpoint): its tests read the other arm at the same steps. A sweep of other seeds, arms or arm
+overrides than the design's is refused (one line, exit 2).
 """
 from __future__ import annotations
 
@@ -130,27 +132,69 @@ def evals(rows: list[dict], axis: str = "step") -> dict[float, float]:
     return {row[key]: float(row[PASS]) for row in rows if plot.finite(row.get(PASS)) and plot.finite(row.get(key))}
 
 
-def drawdown(rows: list[dict], at: Optional[list[float]] = None) -> Optional[float]:
-    """The largest fall of the pass@1 curve over the checkpoints `at` (default: all of the run's):
-    max over checkpoints s < t of pass@1(s) - pass@1(t), 0 for a curve that never falls; None when
-    the run lacks one of them."""
+def checkpoint_evals(rows: list[dict], at: list[float]) -> Optional[list[tuple[float, float]]]:
+    """(step, pass@1) of the run's eval of each checkpoint in `at`: its first eval at or after the
+    checkpoint and before the next one (the last: at or after it). That is the checkpoint itself for
+    every arm but drift-push, which evaluates only right after a push, at the first push at or after
+    each multiple of eval_every (train.eval_due); None when a checkpoint has no eval."""
     curve = evals(rows)
-    if at is not None and any(x not in curve for x in at):
+    out = []
+    for i, start in enumerate(at):
+        end = at[i + 1] if i + 1 < len(at) else math.inf
+        steps = [s for s in curve if start <= s < end]
+        if not steps:
+            return None
+        out.append((min(steps), curve[min(steps)]))
+    return out
+
+
+def read_at(rows: list[dict], steps: list[float]) -> Optional[list[float]]:
+    """The run's pass@1 at each of `steps`: its eval there, or the straight line between its evals on
+    either side (None outside its evals). How an arm evaluated at the checkpoints is read at drift-push's
+    eval steps, so that a paired difference compares the same optimizer steps."""
+    curve = evals(rows)
+    xs = sorted(curve)
+    out = []
+    for s in steps:
+        if s in curve:
+            out.append(curve[s])
+            continue
+        below, above = [x for x in xs if x < s], [x for x in xs if x > s]
+        if not below or not above:
+            return None
+        lo, hi = below[-1], above[0]
+        out.append(curve[lo] + (curve[hi] - curve[lo]) * (s - lo) / (hi - lo))
+    return out
+
+
+def drawdown(rows: list[dict], at: list[float]) -> Optional[float]:
+    """The largest fall of the pass@1 curve over the checkpoints `at` (their evals): max over
+    checkpoints s < t of pass@1(s) - pass@1(t), 0 for a curve that never falls; None when the run
+    lacks one of them."""
+    found = checkpoint_evals(rows, at)
+    if not found:
         return None
-    values = [curve[x] for x in sorted(curve) if at is None or x in at]
-    if not values:
-        return None
-    peak, worst = values[0], 0.0
-    for v in values:
+    peak, worst = found[0][1], 0.0
+    for _, v in found:
         peak = max(peak, v)
         worst = max(worst, peak - v)
     return worst
 
 
 def learning(rows: list[dict], at: list[float]) -> Optional[float]:
-    """The mean pass@1 over the checkpoints `at` (None when the run lacks one)."""
-    curve = evals(rows)
-    return sum(curve[x] for x in at) / len(at) if all(x in curve for x in at) else None
+    """The mean pass@1 over the checkpoints `at` (their evals; None when the run lacks one)."""
+    found = checkpoint_evals(rows, at)
+    return sum(v for _, v in found) / len(found) if found else None
+
+
+def learning_difference(rows_a: list[dict], rows_b: list[dict], at: list[float]) -> Optional[float]:
+    """L(a) - L(b) at the same optimizer steps: a's checkpoint evals against b read at their steps
+    (b's own checkpoints wherever a evaluates at them); None when b cannot be read there."""
+    found = checkpoint_evals(rows_a, at)
+    other = read_at(rows_b, [s for s, _ in found]) if found else None
+    if other is None:
+        return None
+    return sum(v for _, v in found) / len(found) - sum(other) / len(other)
 
 
 def end_point(rows: list[dict], pushes_at_end: int) -> Optional[float]:
@@ -206,30 +250,30 @@ def eval_se(test: design_lib.Test, runs: dict[str, list[list[dict]]], design: de
     levels (an upper bound: the problems are a fixed set, the arms share the eval's sampling seeds)."""
     at = list(design.checkpoints)
 
-    def levels(arm: str, steps) -> Optional[list[float]]:
-        curves = [evals(rows) for rows in runs.get(arm, [])]
-        if not curves or any(s not in c for c in curves for s in steps):
-            return None
-        return [sum(c[s] for c in curves) / len(curves) for s in steps]
-
-    def ends(arm: str) -> Optional[float]:
-        values = [end_point(rows, design.equal_samples) for rows in runs.get(arm, [])]
+    def mean(values: list[Optional[float]]) -> Optional[float]:
         return sum(values) / len(values) if values and None not in values else None
+
+    def levels(arm: str) -> Optional[list[float]]:
+        """The arm's mean pass@1 at each checkpoint's eval, over its runs."""
+        found = [checkpoint_evals(rows, at) for rows in runs.get(arm, [])]
+        if not found or None in found:
+            return None
+        return [sum(f[i][1] for f in found) / len(found) for i in range(len(at))]
 
     samples = design.eval_samples
     arms = [a for a in (test.a, test.b) if a]
     pq = lambda p: p * (1 - p)  # noqa: E731
     if test.metric == "at":
-        ps = [ends(a) for a in arms]
+        ps = [mean([end_point(rows, design.equal_samples) for rows in runs.get(a, [])]) for a in arms]
         return None if None in ps else math.sqrt(sum(pq(p) for p in ps) / samples)
-    per_arm = [levels(a, at) for a in arms]
+    per_arm = [levels(a) for a in arms]
     if None in per_arm:
         return None
     if test.metric in ("learning", "gain"):
         var = sum(pq(p) for ps in per_arm for p in ps) / samples / len(at) ** 2
         if test.metric == "gain":
-            start = levels(test.a, [0])
-            var += pq(start[0]) / samples if start else 0.0
+            start = mean([evals(rows).get(0) for rows in runs.get(test.a, [])])
+            var += pq(start) / samples if start is not None else 0.0
         return math.sqrt(var)
     _, var_flat = design_lib.flat_drawdown(len(at))
     return math.sqrt(var_flat * sum(pq(sum(ps) / len(ps)) for ps in per_arm) / samples)
@@ -273,16 +317,20 @@ class Sweep:
         return out
 
 
-def load_sweep(sweep_dir: Path, arms: list[str], seeds: tuple[int, ...], what: str) -> Sweep:
-    """The sweep's manifest and every run's state; a sweep of other arms or seeds than the design's
-    is refused (it is another design's)."""
+def load_sweep(sweep_dir: Path, arms: dict[str, tuple[str, ...]], seeds: tuple[int, ...], what: str) -> Sweep:
+    """The sweep's manifest and every run's state; a sweep of other arms (names or overrides) or seeds
+    than the design's is refused (it is another design's). arms: {name: overrides}, {} for any."""
     path = sweep_dir / "sweep.json"
     if not path.is_file():
         raise ReportError(f"{sweep_dir}: no sweep.json (run `make replicate`, or give the {what} directory)")
     manifest = json.loads(path.read_text())
     names = [p["name"] for p in manifest["points"]]
-    if arms and names != arms:
-        raise ReportError(f"{path}: points {names} are not the design's arms {arms}")
+    if arms and names != list(arms):
+        raise ReportError(f"{path}: points {names} are not the design's arms {list(arms)}")
+    for point in manifest["points"] if arms else []:
+        if tuple(point["overrides"]) != arms[point["name"]]:
+            raise ReportError(f"{path}: point {point['name']} ran {' '.join(point['overrides']) or 'no overrides'}, "
+                              f"not the design's {' '.join(arms[point['name']]) or 'no overrides'}")
     if sorted(manifest["seeds"]) != sorted(seeds):
         raise ReportError(f"{path}: seeds {manifest['seeds']} are not the design's {list(seeds)}")
     runs = {}
@@ -409,7 +457,7 @@ def decide(test: design_lib.Test, sweep: Sweep, design: design_lib.Design,
     arms = [a for a in (test.a, test.b) if a]
     diffs, missing = [], []
     for seed in design.seeds:
-        values = []
+        values, rows = [], []
         for arm in arms:
             run = sweep.runs.get((arm, seed))
             if run is None or not run.counted:
@@ -419,8 +467,18 @@ def decide(test: design_lib.Test, sweep: Sweep, design: design_lib.Design,
             if v is None:
                 missing.append(f"{run.name} (lacks the design's evals)")
             values.append(v)
+            rows.append(run.rows)
         if len(values) == len(arms) and None not in values:
-            diffs.append(values[0] - values[1] if len(values) == 2 else values[0])
+            if len(values) == 1:
+                diffs.append(values[0])
+            elif test.metric == "learning":  # at the same steps: b read at a's evals (drift-push's are off the grid)
+                d = learning_difference(rows[0], rows[1], list(design.checkpoints))
+                if d is None:
+                    missing.append(f"{arms[1]}-s{seed} (no evals on either side of {arms[0]}-s{seed}'s)")
+                else:
+                    diffs.append(d)
+            else:
+                diffs.append(values[0] - values[1])
     iv = Interval.of(diffs, design.level)
     counted = sweep.points()
     se = eval_se(test, {a: list(counted.get(a, {}).values()) for a in arms}, design)
@@ -459,24 +517,105 @@ def verdict_table(decided: list[Decided], claims: dict[str, str], design: design
     return "\n".join(lines)
 
 
-# The descriptive per-checkpoint rows: (a, b) pairs, effect = pass@1(a) - pass@1(b) at each checkpoint.
-CHECKPOINT_PAIRS = (("v10-i1", "v1-i1"), ("v1-i1-mask", "v1-i1"), ("v1-i1-beta0", "v1-i1"), ("v1-i1", "v1-i10"))
+# The descriptive per-checkpoint rows: (a, b) pairs, effect = pass@1(a) - pass@1(b) at each checkpoint's eval
+# of a (drift-push's: the first after it), b read at the same step.
+CHECKPOINT_PAIRS = (("v10-i1", "v1-i1"), ("v1-i1-mask", "v1-i1"), ("v1-i1-beta0", "v1-i1"), ("v1-i1", "v1-i10"),
+                    ("lag1", "v1-i1"), ("drift-push", "v1-i1"), ("drift-push", "v10-i1"))
 
 
 def checkpoints_table(points: Points, design: design_lib.Design) -> str:
-    lines = ["| effect (descriptive) | step | seeds | per seed | mean [95% t interval] |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| effect (descriptive) | checkpoint | seeds | per seed | mean [95% t interval] |",
+             "| --- | --- | --- | --- | --- |"]
+    at = list(design.checkpoints)
     for a, b in CHECKPOINT_PAIRS:
         seeds = sorted(set(points.get(a, {})) & set(points.get(b, {})))
-        for step in design.checkpoints:
-            diffs = []
-            for s in seeds:
-                ca, cb = evals(points[a][s]), evals(points[b][s])
-                if step in ca and step in cb:
-                    diffs.append(ca[step] - cb[step])
+        per_seed = {}
+        for s in seeds:
+            found = checkpoint_evals(points[a][s], at)
+            other = read_at(points[b][s], [x for x, _ in found]) if found else None
+            if other is not None:
+                per_seed[s] = [va - vb for (_, va), vb in zip(found, other)]
+        for i, step in enumerate(design.checkpoints):
+            diffs = [d[i] for d in per_seed.values()]
             iv = Interval.of(diffs, design.level)
             lines.append(f"| pass@1({a}) - pass@1({b}) | {step} | {len(diffs)} | "
                          f"{', '.join(f'{d:+.3f}' for d in diffs)} | {iv.text()} |")
     return "\n".join(lines)
+
+
+# The arms set side by side at equal samples with the pushes each made (docs/fig2_design.md, "Equal pushes").
+PUSH_ARMS = ("v1-i1", "lag1", "drift-push", "v10-i1")
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """mean (min-max), or n/a."""
+    if not values:
+        return "n/a"
+    return f"{sum(values) / len(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def pushes_table(points: Points, design: design_lib.Design) -> str:
+    """Per arm and checkpoint, over the arm's counted seeds: the step of the checkpoint's eval, the
+    pushes made by then (the eval's weights version) and pass@1; then, per arm, its pushes by reason
+    (push_reason) and the tv_staleness of its batches (their first pass)."""
+    at = list(design.checkpoints)
+    lines = ["| arm | checkpoint | seeds | eval step | pushes | pass@1 |", "| --- | --- | --- | --- | --- | --- |"]
+    notes = []
+    for arm in PUSH_ARMS:
+        runs = [rows for rows in points.get(arm, {}).values() if checkpoint_evals(rows, at)]
+        versions = [{r["step"]: r["eval/weights_version"] for r in rows if plot.finite(r.get(PASS))
+                     and plot.finite(r.get("eval/weights_version"))} for rows in runs]
+        found = [checkpoint_evals(rows, at) for rows in runs]
+        for i, checkpoint in enumerate(at):
+            steps = [f[i][0] for f in found]
+            pushed = [v[s] for v, s in zip(versions, steps) if s in v]
+            lines.append(f"| {arm} | {checkpoint} | {len(runs)} | {spread(steps, '.0f')} | {spread(pushed, '.1f')} | "
+                         f"{spread([f[i][1] for f in found], '.3f')} |")
+        reasons: dict[str, int] = {}
+        for rows in runs:
+            for r in rows:
+                if r.get("push_reason"):
+                    reasons[r["push_reason"]] = reasons.get(r["push_reason"], 0) + 1
+        staleness = [r["tv_staleness"] for rows in runs for r in rows
+                     if "loss" in r and r.get("sgd_iteration", 0) == 0 and plot.finite(r.get("tv_staleness"))]
+        if runs:
+            notes.append(f"- {arm}: pushes by reason, per run: "
+                         + (", ".join(f"{why} {n / len(runs):.1f}" for why, n in sorted(reasons.items())) or "none logged")
+                         + "; tv_staleness of its batches: "
+                         + (f"mean {sum(staleness) / len(staleness):.3g}, max {max(staleness):.3g}" if staleness else "n/a"))
+    return "\n".join(lines + [""] + notes)
+
+
+def plot_pushes(points: Points, design: design_lib.Design, out: Path, title: str) -> None:
+    """pass@1 at step 0 and at each checkpoint's eval, against the eval's step and against the pushes made
+    by then: per arm of PUSH_ARMS, the means over its counted seeds, bars from the smallest to the largest
+    seed. Points per checkpoint, not a band: drift-push's seeds evaluate at different steps and pushes."""
+    import matplotlib.pyplot as plt
+
+    at = list(design.checkpoints)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for i, arm in enumerate(PUSH_ARMS):
+        runs = [rows for rows in points.get(arm, {}).values() if checkpoint_evals(rows, at) and 0 in evals(rows)]
+        if not runs:
+            continue
+        found = [[(0.0, evals(rows)[0])] + checkpoint_evals(rows, at) for rows in runs]
+        versions = [{r["step"]: r["eval/weights_version"] for r in rows if plot.finite(r.get(PASS))
+                     and plot.finite(r.get("eval/weights_version"))} for rows in runs]
+        ys = [[f[j][1] for f in found] for j in range(len(at) + 1)]
+        mean_y = [sum(y) / len(y) for y in ys]
+        bars = [[m - min(y) for m, y in zip(mean_y, ys)], [max(y) - m for m, y in zip(mean_y, ys)]]
+        steps = [sum(f[j][0] for f in found) / len(found) for j in range(len(at) + 1)]
+        pushed = [sum(v.get(f[j][0], math.nan) for v, f in zip(versions, found)) / len(found)
+                  for j in range(len(at) + 1)]
+        for ax, xs in zip(axes, (steps, pushed)):
+            ax.errorbar(xs, mean_y, yerr=bars, color=f"C{i}", marker="o", markersize=3, capsize=2,
+                        label=f"{arm} (n={len(runs)})")
+    for ax, label in zip(axes, ("optimizer step of the eval", "weight pushes made by the eval")):
+        ax.set(xlabel=label, ylabel="held-out pass@1")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[1].set_xscale("symlog", linthresh=1)
+    plot.save(fig, out, title)
 
 
 def runs_table(sweep: Sweep, design: design_lib.Design) -> str:
@@ -742,7 +881,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sweep = load_sweep(Path(args.sweep), design.runnable(), design.seeds, "--sweep")
         sweeps = [sweep]
         if args.vsweep:
-            sweeps.append(load_sweep(Path(args.vsweep), [], design.vsweep_seeds, "--vsweep"))
+            sweeps.append(load_sweep(Path(args.vsweep), {}, design.vsweep_seeds, "--vsweep"))
         replay = replay_table([Path(c) for c in args.compare]) if args.compare else None
     except (ReportError, design_lib.DesignError, plot.PlotError) as e:
         print(f"fig2_report.py: error: {e}", file=sys.stderr)
@@ -761,7 +900,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig_main = out.with_suffix(".png")
-    drawn = {p: s for p, s in points.items() if s}
+    # drift-push's seeds evaluate at different steps: a band over the steps all of them share would be
+    # a line from step 0 to 50; it is drawn per checkpoint in the pushes figure instead
+    drawn = {p: s for p, s in points.items() if s and p != "drift-push"}
     if drawn:
         plot.plot_sweep(drawn, [PASS, "reward_mean"], fig_main, "minmax", 0.0,
                         "CPU replica of Fig. 2: held-out pass@1 (mean over counted seeds, min-max band)")
@@ -776,6 +917,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         wanted.update({p["name"]: point_v(vs_sweep.manifest, p["name"]) for p in vs_sweep.manifest["points"]})
     by_v = v_runs([(sweep.manifest, points)] + ([(vs_sweep.manifest, vs_sweep.points(counted_only=False))]
                                                  if vs_sweep else []), wanted)
+    fig_pushes = out.with_name(out.stem + "_pushes.png")
+    if any(points.get(a) for a in PUSH_ARMS):
+        plot_pushes(points, design, fig_pushes, "Equal samples, equal pushes: pass@1 at each checkpoint's eval "
+                    "(mean over counted seeds, bars: min-max)")
     fig_v = out.with_name(out.stem + "_vsweep.png")
     if by_v:
         plot_vsweep(by_v, fig_v, "How far off policy: the same iterations at every v (descriptive)")
@@ -825,9 +970,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         "",
         "## Every checkpoint (descriptive)",
         "",
-        "Not verdicts: the paired difference at each checkpoint, over the counted seeds both arms have.",
+        "Not verdicts: the paired difference at each checkpoint, over the counted seeds both arms have (drift-push "
+        "at its eval of the checkpoint, the other arm read at the same step).",
         "",
         checkpoints_table(points, design),
+        "",
+        "## Equal samples, equal pushes (descriptive)",
+        "",
+        "Every arm at each checkpoint with the pushes it had made by then. lag1 pushes every iteration as v1-i1 "
+        "does, so e1 compares the two at equal pushes too; drift-push's pushes are an outcome of its runs, and "
+        "no arm is evaluated at its push counts: its comparisons at equal pushes are this table and the figure "
+        "below, without a verdict ([fig2_design.md](fig2_design.md#equal-pushes)). drift-push evaluates right "
+        "after a push: at the first push at or after each checkpoint (its eval step); its tests read the other "
+        "arm at that step. It is drawn here only, not in the figure above (its seeds share few eval steps).",
+        "",
+        pushes_table(points, design),
+        "",
+        f"![pass@1 against steps and pushes, per checkpoint]({fig_pushes.name})" if any(
+            points.get(a) for a in PUSH_ARMS) else "",
         "",
         "## Per arm (descriptive)",
         "",

@@ -17,16 +17,25 @@ import fig2_report as report  # noqa: E402
 
 DESIGN = report.design_lib.load_design()
 HEAD = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-OVERRIDES = {"v1-i1": [], "v1-i1-b5": ["grpo.M=5"], "v1-i1-mask": ["objective.mask_zero_variance=true"],
-             "v1-i1-beta0": ["objective.beta=0"], "v10-i1": ["grpo.v=10"], "v1-i10": ["grpo.i=10", "grpo.M=5"],
-             "v2": ["grpo.v=2"]}
+OVERRIDES = {**{arm: list(overrides) for arm, overrides in DESIGN.runnable().items()}, "v2": ["grpo.v=2"]}
+GRID = [0, 10, 20, 30, 40, 50]
 
 
-def eval_steps(arm: str) -> list[int]:
-    return [0, 5] if arm == "v1-i1-b5" else [0, 10, 20, 30, 40, 50]
+def drift_pushes(seed: int) -> list[int]:
+    """The batches a synthetic drift-push run pushes before: every 3rd at even seeds, every 4th at odd ones."""
+    return list(range(3 if seed % 2 == 0 else 4, 50, 3 if seed % 2 == 0 else 4))
 
 
-def pushes_at(arm: str, step: int) -> int:
+def eval_steps(arm: str, seed: int) -> list[int]:
+    if arm == "drift-push":  # right after the first push at or after each multiple of 10, and at the end
+        pushes = drift_pushes(seed)
+        return [0] + [min(p for p in pushes if p >= c) for c in (10, 20, 30, 40)] + [50]
+    return [0, 5] if arm == "v1-i1-b5" else GRID
+
+
+def pushes_at(arm: str, step: int, seed: int) -> int:
+    if arm == "drift-push":  # the pushes before batches up to `step`; at the end train.finish pushes once more
+        return len([p for p in drift_pushes(seed) if p <= step]) + (step == 50)
     return step // 10 if arm in ("v10-i1", "v1-i10") else step // 2 if arm == "v2" else step
 
 
@@ -39,11 +48,18 @@ def write_run(sweep: Path, arm: str, seed: int, f, *, finished=True, commit=HEAD
     if finished:
         (run / "final").mkdir()
     rows = []
-    for step in eval_steps(arm):
+    for step in eval_steps(arm, seed):
         if last_step is not None and step > last_step:
             break
-        rows.append({"step": step, "eval/pass@1": f(step), "eval/weights_version": pushes_at(arm, step),
+        rows.append({"step": step, "eval/pass@1": f(step), "eval/weights_version": pushes_at(arm, step, seed),
                      "eval/n_samples": 100 * k})
+        if arm == "drift-push":  # its batches after this eval, up to the next: lag, drift, the push's reason
+            pushes = drift_pushes(seed)
+            for i in range(step, min([s for s in eval_steps(arm, seed) if s > step], default=50)):
+                lag = i - max([0] + [p for p in pushes if p <= i])
+                rows.append({"step": i + 1, "iteration": i, "sgd_iteration": 0, "loss": 0.0, "alpha_lag_steps": lag,
+                             "weights_version": pushes_at(arm, i, seed), "tv_staleness": 0.02 * lag,
+                             **({"push_reason": "drift"} if i in pushes else {})})
         if arm == "v10-i1" and step < 50:
             for i in range(step, step + 10):
                 lag = i % 10
@@ -63,19 +79,20 @@ def write_run(sweep: Path, arm: str, seed: int, f, *, finished=True, commit=HEAD
     return run
 
 
-def write_sweep(root: Path, curves: dict, name: str = "fig2", seeds=DESIGN.seeds, **special) -> Path:
+def write_sweep(root: Path, curves: dict, name: str = "fig2", seeds=DESIGN.seeds, overrides=OVERRIDES,
+                **special) -> Path:
     """curves: {arm: f(seed) -> f(step) -> pass@1}: a counted run per arm and seed, except those named in
-    `special` ({run name: write_run keyword arguments}, or None: not started)."""
+    `special` ({run name: write_run keyword arguments}, or None: not started); each arm run with `overrides`."""
     sweep = root / name
     runs = []
     for seed in seeds:
         for arm, curve in curves.items():
-            runs.append({"name": f"{arm}-s{seed}", "point": arm, "seed": seed, "overrides": OVERRIDES[arm]})
+            runs.append({"name": f"{arm}-s{seed}", "point": arm, "seed": seed, "overrides": overrides[arm]})
             kwargs = special.get(f"{arm}-s{seed}", {})
             if kwargs is not None:
                 write_run(sweep, arm, seed, curve(seed), **kwargs)
     manifest = {"name": name, "config": "configs/cpu_fig2.yaml", "seeds": list(seeds),
-                "points": [{"name": a, "overrides": OVERRIDES[a]} for a in curves], "runs": runs}
+                "points": [{"name": a, "overrides": overrides[a]} for a in curves], "runs": runs}
     sweep.mkdir(parents=True, exist_ok=True)
     (sweep / "sweep.json").write_text(json.dumps(manifest))
     return sweep
@@ -91,10 +108,34 @@ def rising(top: float, start: float = 0.2, speed: float = 0.1, dip=None, noise=0
     return per_seed
 
 
+def offset(base, shift):
+    """base's curve read anywhere (the straight line between its values at GRID, as the report reads an
+    arm between its evals) plus shift(seed)."""
+    def per_seed(seed):
+        f = base(seed)
+
+        def g(step):
+            lo, hi = max(x for x in GRID if x <= step), min(x for x in GRID if x >= step)
+            at = f(lo) if lo == hi else f(lo) + (f(hi) - f(lo)) * (step - lo) / (hi - lo)
+            return at + shift(seed)
+        return g
+    return per_seed
+
+
+def lag1_shift(seed):
+    return -0.03 + 0.01 * (seed % 3)  # seeds 10-19: -0.02, -0.01, -0.03, ...: mean -0.02, sd sqrt(6e-4 / 9)
+
+
+def drift_shift(seed):
+    return -0.055 + 0.02 * (seed % 3 - 1)  # -0.055, -0.035, -0.075, ...: mean -0.055, sd sqrt(2.4e-3 / 9)
+
+
 def standard(**changes) -> dict:
-    curves = {"v1-i1": rising(0.85, dip=0.1, noise=0.01), "v1-i1-b5": rising(0.85, noise=0.01),
+    v1_i1 = rising(0.85, dip=0.1, noise=0.01)
+    curves = {"v1-i1": v1_i1, "v1-i1-b5": rising(0.85, noise=0.01),
               "v1-i1-mask": rising(0.95, noise=0.01), "v1-i1-beta0": rising(0.9, noise=0.01),
-              "v10-i1": rising(0.86, speed=0.09, noise=0.01), "v1-i10": rising(0.6, speed=0.03, noise=0.02)}
+              "v10-i1": rising(0.86, speed=0.09, noise=0.01), "v1-i10": rising(0.6, speed=0.03, noise=0.02),
+              "lag1": offset(v1_i1, lag1_shift), "drift-push": offset(v1_i1, drift_shift)}
     curves.update(changes)
     return curves
 
@@ -141,6 +182,23 @@ def test_the_metrics_by_hand():
     assert se == pytest.approx(math.sqrt(2 * sum(p * (1 - p) for p in (0.6, 0.8, 0.7, 0.9, 0.8)) / 1600) / 5)
 
 
+def test_an_arm_evaluated_off_the_checkpoints_is_compared_at_its_own_steps():
+    """drift-push evaluates right after a push: at the first at or after each checkpoint. Its L is over those
+    evals, and the arm it is tested against is read at the same steps, on the straight line between its
+    evals: by hand, v1-i1 at 12 = 0.5 + 0.2 x (0.7 - 0.5) = 0.54, at 21 = 0.71, at 42 = 0.82."""
+    at = [10, 20, 30, 40, 50]
+    v1 = [{"step": s, "eval/pass@1": p} for s, p in [(0, 0.2), (10, 0.5), (20, 0.7), (30, 0.8), (40, 0.8), (50, 0.9)]]
+    drift = [{"step": s, "eval/pass@1": p} for s, p in [(0, 0.2), (12, 0.6), (21, 0.7), (30, 0.8), (42, 0.8), (50, 0.9)]]
+    assert report.checkpoint_evals(drift, at) == [(12, 0.6), (21, 0.7), (30, 0.8), (42, 0.8), (50, 0.9)]
+    assert report.read_at(v1, [12, 21, 30, 42, 50]) == pytest.approx([0.54, 0.71, 0.8, 0.82, 0.9])
+    assert report.learning(drift, at) == pytest.approx(0.76)
+    # 0.76 - (0.54 + 0.71 + 0.8 + 0.82 + 0.9) / 5 = 0.76 - 0.754; at the checkpoints themselves it would be 0.02
+    assert report.learning_difference(drift, v1, at) == pytest.approx(0.006)
+    assert report.learning_difference(v1, v1, at) == 0.0  # an arm at the checkpoints: read at them, exactly
+    assert report.checkpoint_evals(drift[:3], at) is None  # no eval of checkpoint 30 or later
+    assert report.read_at(v1[:3], [21]) is None  # nothing after step 20 to read it on
+
+
 def test_the_page_decides_every_pre_set_test_from_complete_runs(tmp_path):
     sweep = write_sweep(tmp_path, standard())
     vsweep = write_sweep(tmp_path, {"v2": rising(0.8)}, name="fig2-v", seeds=DESIGN.vsweep_seeds,
@@ -161,27 +219,58 @@ def test_the_page_decides_every_pre_set_test_from_complete_runs(tmp_path):
     assert verdicts["d2"] == report.HOLDS  # v1-i10 far behind per step
     assert verdicts["d1"] == report.REFUTED  # ...but ahead after the same 5 batches (the b5 arm is at step 5)
     assert verdicts["k1"] == report.HOLDS
-    assert verdicts["e1"].startswith("pending: needs issue 49")
+    # The new arms, by hand. lag1 is v1-i1 + lag1_shift at the same steps: e1's differences are the shifts,
+    # mean -0.02, half-width t(0.975, 9) sqrt(6e-4 / 9) / sqrt(10) = 2.262 x 0.002582 = 0.0058: above -0.05.
+    seeds = DESIGN.seeds
+    assert decided["e1"].iv.diffs == pytest.approx([lag1_shift(s) for s in seeds], abs=1e-9)
+    assert (decided["e1"].iv.lo, decided["e1"].iv.hi) == pytest.approx((-0.0258, -0.0142), abs=1e-4)
+    assert verdicts["e1"] == report.HOLDS
+    # e2: + L(v1-i1) - L(v10-i1), the same at every seed (their seed noise is the same and cancels):
+    # (0.6109 - 0.5917 + 0.7620 - 0.7509 + 0.7176 - 0.8156 + 0.8381 - 0.8420 + 0.8456 - 0.8527) / 5 = -0.0157
+    # (v1-i1's dip of 0.1 at step 30): mean -0.0357 +- 0.0058, below 0: lag1 is not above v10-i1.
+    assert decided["e2"].iv.diffs == pytest.approx([lag1_shift(s) - 0.01572 for s in seeds], abs=1e-4)
+    assert verdicts["e2"] == report.REFUTED
+    # drift-push is v1-i1 read on the straight line between its evals, + drift_shift, evaluated at 12, 21, 30,
+    # 42, 50 (even seeds) or 12, 20, 32, 40, 50 (odd): v1-i1 read at those same steps, f1's differences are the
+    # shifts: mean -0.055 +- 2.262 x 0.005164 = 0.0117: [-0.0667, -0.0433] straddles -0.05.
+    assert decided["f1"].iv.diffs == pytest.approx([drift_shift(s) for s in seeds], abs=1e-9)
+    assert verdicts["f1"] == report.OPEN
+    # f2: + v1-i1 - v10-i1 read at drift-push's steps: at 12, 21, 30, 42, 50 (0.6411 - 0.6235 + 0.7576 - 0.7574
+    # + 0.7176 - 0.8156 + 0.8396 - 0.8441 + 0.8456 - 0.8527) / 5 = -0.0184; at 12, 20, 32, 40, 50 (0.6411 - 0.6235
+    # + 0.7620 - 0.7509 + 0.7417 - 0.8209 + 0.8381 - 0.8420 + 0.8456 - 0.8527) / 5 = -0.0123: mean -0.0703, its
+    # interval wholly below -0.05.
+    expected = [drift_shift(s) + (-0.01835 if s % 2 == 0 else -0.01227) for s in seeds]
+    assert decided["f2"].iv.diffs == pytest.approx(expected, abs=1e-4)
+    assert decided["f2"].iv.mean == pytest.approx(-0.0703, abs=1e-4) and decided["f2"].iv.hi < -0.05
+    assert verdicts["f2"] == report.REFUTED
     claims = report.claim_verdicts(list(decided.values()))
     assert claims == {"a": report.HOLDS, "b": report.HOLDS, "c": report.HOLDS, "d": report.REFUTED,
-                      "control": report.HOLDS, "lag1": report.PENDING, "drift-push": report.PENDING}
+                      "control": report.HOLDS, "lag1": report.HOLDS, "drift-push": report.OPEN}
     assert len(decided["c1"].iv.diffs) == 10 and decided["c1"].planned.power == pytest.approx(0.838, abs=1e-3)
     page = out.read_text()
-    assert "60 of 60 runs of `fig2` counted" in page
+    assert "80 of 80 runs of `fig2` counted" in page
     assert f"| **{report.design_lib.CLAIMS['c']}** | | | | | | **holds** | | |" in page
     assert "| | c1: off-policy v10-i1 matches or beats v1-i1" in page and "| 10 of 10 |" in page
-    assert f"the runs' code commit: {HEAD}" in page and "2 x AMD EPYC 7B13 (AVX2 only) (62 starts)" in page
+    assert f"the runs' code commit: {HEAD}" in page and "2 x AMD EPYC 7B13 (AVX2 only) (82 starts)" in page
     assert "bbea659" in page and "6cd80e9" in page  # the first replica's rule, named
     design_commit = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h", HEAD, "--",
                                     "configs/designs/fig2_cpu.yaml"], capture_output=True, text=True).stdout.strip()
     assert f"`configs/designs/fig2_cpu.yaml` fixed by: {design_commit} (" in page
     assert "design not traceable" not in page
-    assert "| lag1 | 0 of 10 | pending: needs issue 49's modes (grpo.lag) |" in page
+    assert "| lag1 | 10 of 10 | - |" in page and "| drift-push | 10 of 10 | - |" in page
+    # equal pushes, descriptive: drift-push's eval of checkpoint 10 at step 12 after 4 pushes (even seeds) or 3,
+    # at the end 17 or 13; lag1 pushes as v1-i1 does; pushes by reason 16 or 12 a run
+    assert "| drift-push | 10 | 10 | 12 (12-12) | 3.5 (3.0-4.0) |" in page
+    assert "| drift-push | 20 | 10 | 20 (20-21) | 6.0 (5.0-7.0) |" in page
+    assert "| drift-push | 50 | 10 | 50 (50-50) | 15.0 (13.0-17.0) |" in page
+    assert "| lag1 | 30 | 10 | 30 (30-30) | 30.0 (30.0-30.0) |" in page
+    assert "- drift-push: pushes by reason, per run: drift 14.0; tv_staleness of its batches: mean " in page
+    assert ", max 0.06" in page
     assert "## Every checkpoint (descriptive)" in page and "| 9 | 0.5 +- 0 | 0.092 +- " in page  # the lag table
     # the v-sweep beside v1-i1 and v10-i1: v2's seeds 10 and 11 at step 50, seed 12 (at step 20) listed apart
     assert "| 2 | 2 | 0.796 (0.796-0.796) | 25.0 | 20: 0.719 |" in page
     assert "- c1 per seed: " + ", ".join(f"{x:+.3f}" for x in decided["c1"].iv.diffs) in page
-    for figure in ("fig2_cpu.png", "fig2_cpu_lag.png", "fig2_cpu_vsweep.png"):
+    for figure in ("fig2_cpu.png", "fig2_cpu_lag.png", "fig2_cpu_vsweep.png", "fig2_cpu_pushes.png"):
         assert (out.parent / figure).stat().st_size > 0
 
 
@@ -193,10 +282,12 @@ def test_a_missing_run_is_named_and_its_tests_wait_for_it(tmp_path):
     out = tmp_path / "page.md"
     assert report.main(["--sweep", str(sweep), "--out", str(out)]) == 0
     page = out.read_text()
-    assert "58 of 60 runs of `fig2` counted" in page
+    assert "78 of 80 runs of `fig2` counted" in page
     assert "| v10-i1 | 9 of 10 | s11: stopped at step 40 |" in page and "| v1-i10 | 9 of 10 | s12: not started |" in page
     assert "- c1 missing: v10-i1-s11 (stopped at step 40)" in page
     assert "- d1 missing: v1-i10-s12 (not started)" in page
+    assert "- f2 missing: v10-i1-s11 (stopped at step 40)" in page  # the new arms' tests against v10-i1 wait too
+    assert "| | f1: the drift-driven push policy matches v1-i1" in page and "- f1 per seed: " in page  # f1 has them all
     assert "| | c1: off-policy v10-i1 matches or beats v1-i1: mean pass@1 over the checkpoints, not below by the " \
            "margin | `L(v10-i1) - L(v1-i1)` | 9 of 10 |" in page
     rows = [line for line in page.splitlines() if line.startswith("| | c1:") or line.startswith("| | b1:")]
@@ -217,7 +308,7 @@ def test_runs_of_another_commit_a_changed_checkout_or_another_eval_are_not_count
     assert "s14: a changed checkout (train.py)" in page
     assert "s15: no provenance.jsonl (run before train.py recorded its commit)" in page
     assert "s16: eval 100 x 4, not the design's 100 x 16" in page
-    assert "56 of 60 runs of `fig2` counted" in page
+    assert "76 of 80 runs of `fig2` counted" in page
     for test in ("b1", "k1", "d1", "c1"):
         assert f"- {test} missing: " in page
 
@@ -240,8 +331,16 @@ def test_a_sweep_of_other_seeds_or_arms_is_refused(tmp_path, capsys):
     del curves["v1-i1-beta0"]
     sweep = write_sweep(tmp_path, curves, name="other")
     assert report.main(["--sweep", str(sweep), "--out", str(tmp_path / "p.md")]) == 2
-    assert "points ['v1-i1', 'v1-i1-b5', 'v1-i1-mask', 'v10-i1', 'v1-i10'] are not the design's arms" \
-        in capsys.readouterr().err
+    assert "points ['v1-i1', 'v1-i1-b5', 'v1-i1-mask', 'v10-i1', 'v1-i10', 'lag1', 'drift-push'] are not the " \
+           "design's arms" in capsys.readouterr().err
+    # the same arms with another drift threshold: another design's sweep, refused
+    other = ["push.policy=drift", "push.tv_threshold=0.05", "push.max_interval=10"]
+    sweep = write_sweep(tmp_path, standard(), name="threshold", overrides={**OVERRIDES, "drift-push": other})
+    assert report.main(["--sweep", str(sweep), "--out", str(tmp_path / "p.md")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"fig2_report.py: error: {sweep}/sweep.json: point drift-push ran push.policy=drift "
+                   "push.tv_threshold=0.05 push.max_interval=10, not the design's push.policy=drift "
+                   "push.tv_threshold=0.03 push.max_interval=10")
 
 
 def test_the_replay_table_is_by_lag_and_needs_followed_rows(tmp_path):
