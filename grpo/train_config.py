@@ -150,6 +150,9 @@ class TrainConfig:
         if p.policy == "drift" and g.v != 1:
             raise ValueError(f"grpo.v: with push.policy: drift the pushes follow the measured drift, not every v "
                              f"iterations; drop grpo.v (it is {g.v}) or set push.policy: every_v")
+        if p.policy == "drift" and p.signal == "tv_staleness" and not self.log.split_staleness:
+            raise ValueError("push.policy: drift pushes on tv_staleness, which log.split_staleness: false does not "
+                             "measure; set log.split_staleness: true or push.signal: is_weight_ess")
         if self.replay and (g.lag or r.mode == "async" or p.policy == "drift"):
             raise ValueError("replay: a replay trains on the recorded batches, with no server and no pushes; drop "
                              "grpo.lag, rollout.mode and push.policy (the recording keeps each sample's version)")

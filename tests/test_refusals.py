@@ -164,6 +164,7 @@ def my_loss(x, cfg):
     (["push.tv_threshold=0.1"], ["tv_threshold: only push.policy: drift reads it"]),
     (["push.policy=drift", "grpo.v=1", "push.ess_threshold=0.5"], ["ess_threshold: read with push.signal: is_weight_ess"]),
     (["grpo.lag=2", "grpo.v=1"], ["server.keep_last: must be >= 3 with grpo.lag: 2"]),
+    (["push.policy=drift", "grpo.v=1", "log.split_staleness=false"], ["log.split_staleness: false does not measure"]),
 ])
 def test_a_regime_key_that_is_idle_or_contradicts_another_is_refused(capsys, overrides, needles):
     line = refused(capsys, *overrides)
