@@ -479,17 +479,8 @@ def sample_ahead_batches(run: Run, progress: Progress, stage: int, k: int) -> No
 def on_main_rank_or_stop(run: Run, work):
     """work() on rank 0, its JSON result on every rank (collective). A reward term the run cannot
     trust there (grpo.rewards.RewardError: failures past reward.max_failed_frac, a value outside
-    its range) stops every rank alike, with its one line."""
-    outcome = None
-    if run.dist.is_main:
-        try:
-            outcome = {"result": work()}
-        except RewardError as e:
-            outcome = {"stopped": str(e)}
-    outcome = broadcast_json(outcome)
-    if "stopped" in outcome:
-        raise RunStopped(outcome["stopped"])
-    return outcome["result"]
+    its range) stops every rank alike, with its one line (RunStopped), as a full disk does."""
+    return on_main_rank(run.dist.is_main, work, stops={RewardError: RunStopped})
 
 
 def plan_batch(run: Trainer, rollout: Rollout) -> tuple[list[MicroBatch], tuple[int, int], dict]:

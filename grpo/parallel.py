@@ -621,18 +621,22 @@ def gather_full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = N
     return out
 
 
-def on_main_rank(is_main: bool, work):
-    """work() on rank 0 and its (JSON) result on every rank (collective); a full disk there stops
-    every rank alike, rather than leaving the others waiting for rank 0."""
+def on_main_rank(is_main: bool, work, stops: Optional[dict] = None):
+    """work() on rank 0 and its (JSON) result on every rank (collective). An error of a kind that
+    ends the run where it happens, a full disk and the kinds in `stops` ({raised on rank 0: raised on
+    every rank}), stops every rank alike, with its one line, rather than leaving the others waiting
+    for rank 0."""
     from grpo.fsutil import NoSpaceError
 
+    kinds = {NoSpaceError: NoSpaceError, **(stops or {})}
     outcome = None
     if is_main:
         try:
             outcome = {"result": work()}
-        except NoSpaceError as e:
-            outcome = {"no_space": str(e)}
+        except tuple(kinds) as e:
+            outcome = {"stopped": [next(i for i, kind in enumerate(kinds) if isinstance(e, kind)), str(e)]}
     outcome = broadcast_json(outcome)
-    if "no_space" in outcome:
-        raise NoSpaceError(outcome["no_space"])
+    if "stopped" in outcome:
+        which, line = outcome["stopped"]
+        raise list(kinds.values())[which](line)
     return outcome["result"]
