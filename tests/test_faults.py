@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train import TRAINING_NUMBERS, ROOT, env, model_dir, read_rows, replay, train_cmd  # noqa: F401 (model_dir is a fixture)
+from test_train import TRAINING_NUMBERS, ROOT, assert_same_numbers, env, model_dir, read_rows, replay, train_cmd  # noqa: F401 (model_dir is a fixture)
 
 pytestmark = pytest.mark.vllm
 
@@ -162,9 +162,7 @@ def test_split_cores_runs_reproduce_and_resume_inside_a_window_exactly(model_dir
     b = {r["step"]: r for r in read_rows(tmp_path / "crash") if "loss" in r}
     assert sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):  # step 5's batch: sampled ahead before, in the foreground after the resume
-        for key, value in a[step].items():
-            if not (key.startswith("time") or key == "tokens_per_s"):
-                assert b[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
+        assert_same_numbers(b[step], a[step], step, skip=("tokens_per_s",))
 
 
 def _check_server_deaths_change_nothing(model_dir, tmp_path, common, uninterrupted):
@@ -182,9 +180,7 @@ def _check_server_deaths_change_nothing(model_dir, tmp_path, common, uninterrupt
     faulted = {r["step"]: r for r in read_rows(tmp_path / "faults") if "loss" in r}
     assert sorted(faulted) == [1, 2, 3, 4, 5, 6]
     for step, row in uninterrupted.items():
-        for key, value in row.items():
-            if not (key.startswith("time") or key in ("tokens_per_s", "sync_bytes")):
-                assert faulted[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
+        assert_same_numbers(faulted[step], row, step, skip=("tokens_per_s", "sync_bytes"))
 
 
 def _check_sample_ahead_changes_nothing(model_dir, tmp_path, common, ahead):
@@ -197,9 +193,7 @@ def _check_sample_ahead_changes_nothing(model_dir, tmp_path, common, ahead):
     inline = {r["step"]: r for r in read_rows(tmp_path / "inline") if "loss" in r}
     assert sorted(inline) == sorted(ahead) == [1, 2, 3, 4, 5, 6]
     for step, row in inline.items():
-        for key, value in row.items():
-            if not (key.startswith("time") or key == "tokens_per_s"):
-                assert ahead[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
+        assert_same_numbers(ahead[step], row, step, skip=("tokens_per_s",))
     # batch 2 was sampled during step 1's training: the trainer waited less than it took to generate
     assert ahead[2]["time_wait_generate"] < ahead[2]["time_generate"] + ahead[2]["time_reward"]
 

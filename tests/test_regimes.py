@@ -10,11 +10,11 @@ import subprocess
 
 import pytest
 
-from test_train import ROOT, env, model_dir, read_rows, train_cmd  # noqa: F401 (model_dir is a fixture)
+from test_train import ROOT, assert_same_numbers, env, model_dir, read_rows, train_cmd  # noqa: F401 (model_dir is a fixture)
 
 pytestmark = pytest.mark.vllm
 
-NOT_NUMBERS = ("time", "tokens_per_s", "async_sampler", "async_queue")  # timings and what timing decides
+NOT_NUMBERS = ("tokens_per_s", "async_sampler", "async_queue")  # timings and what timing decides
 
 
 def run(model_dir, tmp_path, name, *extra, resume=False):
@@ -40,11 +40,7 @@ def crash_copy(tmp_path, name, keep_step, drop_batches=()):
 
 def same_numbers(a: dict, b: dict, steps) -> None:
     for step in steps:
-        for key, value in a[step].items():
-            if isinstance(value, str):
-                assert b[step][key] == value, (step, key)
-            elif not key.startswith(NOT_NUMBERS):
-                assert b[step][key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
+        assert_same_numbers(b[step], a[step], step, skip=NOT_NUMBERS)
 
 
 def test_a_fixed_lag_samples_batch_k_from_the_push_before_and_repeats_exactly(model_dir, tmp_path):

@@ -45,6 +45,19 @@ def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_same_numbers(got: dict, expected: dict, step: int, skip: tuple[str, ...] = ("tokens_per_s",)) -> None:
+    """Every logged value of `expected` but the timings (and the keys starting with a `skip` prefix) is in `got`: numbers to float
+    rounding, labels (push_reason) exactly. A label compared as a number raised TypeError and
+    failed the run it was meant to check."""
+    for key, value in expected.items():
+        if key.startswith(("time", *skip)):
+            continue
+        if isinstance(value, str):
+            assert got[key] == value, (step, key)
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (step, key)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "qwen2", arch="qwen2")
