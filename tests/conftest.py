@@ -27,10 +27,9 @@ def tier(item) -> str:
     return "quick"
 
 
-# Files whose tests share nothing costly (each starts its own run and server): under pytest-xdist
-# their tests go to whichever worker is free. Every other file runs whole on one worker, so that its
-# module-scoped servers start once.
-SPREAD_FILES = ("test_faults",)
+# A file runs whole on one pytest-xdist worker, so that its module-scoped servers and reference
+# runs start once. A test that shares none of them may name a group of its own
+# (@pytest.mark.xdist_group("...")) and go to whichever worker is free.
 
 
 @__import__("pytest").hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
@@ -48,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
 
     for item in items:
         item.add_marker(getattr(pytest.mark, tier(item)))
-        if item.module.__name__ not in SPREAD_FILES:
+        if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     heaviest = {}
     for item in items:
