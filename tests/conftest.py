@@ -59,3 +59,49 @@ def pytest_collection_modifyitems(config, items):
         return (heaviest[item.module], module_first, item.get_closest_marker("last_in_module") is not None, index)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+
+
+# The suite's budget (README, "Tests"): a test whose set-up and call take over SLOW_S seconds says
+# why in its docstring, or in the docstring of a fixture it uses, with the words "Over 60 s".
+# The run ends by naming each test over it that does not (a list, not a failure: a loaded machine
+# is slower, and the budget is a reading of CI's run, not a bound every machine must meet).
+SLOW_S = 60.0
+_durations: dict[str, float] = {}
+_says_why: dict[str, bool] = {}
+
+
+def says_why_slow(item) -> bool:
+    docs = [getattr(item, "obj", None).__doc__ or ""]
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        docs += [d.func.__doc__ or "" for d in defs]
+    return any("Over 60 s" in doc for doc in docs)
+
+
+@__import__("pytest").hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "call":
+        outcome.get_result().user_properties.append(("says_why_slow", says_why_slow(item)))
+
+
+def pytest_runtest_logreport(report):
+    """On the controller (or the only process): each test's set-up + call seconds."""
+    if report.when in ("setup", "call"):
+        _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    for key, value in report.user_properties:
+        if key == "says_why_slow":
+            _says_why[report.nodeid] = value
+
+
+def unexplained(durations: dict[str, float], says_why: dict[str, bool], limit: float = SLOW_S
+                ) -> list[tuple[float, str]]:
+    """(seconds, test) of each test over `limit` whose docstrings do not say why, slowest first."""
+    return sorted(((s, n) for n, s in durations.items() if s > limit and says_why.get(n) is False), reverse=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    over = unexplained(_durations, _says_why)
+    if over:
+        terminalreporter.section(f"over {SLOW_S:.0f} s without saying why (tests/conftest.py, SLOW_S)")
+        for seconds, nodeid in over:
+            terminalreporter.line(f"{seconds:6.1f} s  {nodeid}")

@@ -53,3 +53,22 @@ def test_the_check_finds_an_unmarked_child_process(tmp_path):
                  "@pytest.mark.torchrun\ndef test_marked():\n    subprocess.run([sys.executable, '-c', 'pass'])\n"
                  "def test_in_process():\n    assert sys.version\n")
     assert quick_tests_starting_python([f]) == ["test_example.py::test_unmarked"]
+
+
+def test_the_budget_names_the_slow_tests_that_do_not_say_why():
+    """tests/conftest.py's budget: a test over 60 s (set-up and call) says why in its docstring or a
+    fixture's ("Over 60 s"); the run's summary names each that does not."""
+    from types import SimpleNamespace
+
+    import conftest
+
+    def item(doc, fixture_docs=()):
+        defs = {f"f{i}": [SimpleNamespace(func=SimpleNamespace(__doc__=d))] for i, d in enumerate(fixture_docs)}
+        return SimpleNamespace(obj=SimpleNamespace(__doc__=doc), _fixtureinfo=SimpleNamespace(name2fixturedefs=defs))
+
+    assert conftest.says_why_slow(item("Over 60 s: two trainings."))
+    assert conftest.says_why_slow(item(None, ["A shared run. Over 60 s: it trains."]))
+    assert not conftest.says_why_slow(item("Two trainings.", ["A shared run."]))
+    durations = {"a": 61.0, "b": 200.0, "c": 59.0, "d": 90.0}
+    says = {"a": False, "b": False, "c": False, "d": True}
+    assert conftest.unexplained(durations, says) == [(200.0, "b"), (61.0, "a")]
