@@ -27,7 +27,7 @@ COMMON = ["grpo.S=1", "grpo.M=6", "grpo.v=3", "grpo.i=1", "checkpoint.every=2", 
 @pytest.fixture(scope="module")
 def reference(model_dir, tmp_path_factory):
     """The uninterrupted run (one, shared: before, each test ran its own): its directory and its
-    training rows by step."""
+    training rows by step. Over 60 s: a training with its server, six steps."""
     out = tmp_path_factory.mktemp("reference")
     full = subprocess.run(train_cmd(1, model_dir, out, "full", *COMMON), cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=900)
@@ -112,7 +112,8 @@ def test_resume_inside_a_v_window_samples_from_alpha_again(model_dir, reference,
     an explicit root or bytes mode died with 409. The crash is the state a SIGKILL right after the
     step-4 checkpoint leaves: the run directory up to that checkpoint, and no server. The resume
     serves alpha by each push mode; the uninterrupted run it repeats is the default root's (the
-    push mode moves weights, it changes no number)."""
+    push mode moves weights, it changes no number). Over 60 s: a resumed training (its server
+    starts, alpha is re-served, two steps, the final push)."""
     extra = {"default_root": [], "explicit_root": [f"server.weights_root={tmp_path / 'wroot'}"],
              "bytes": ["server.push_mode=bytes"]}[mode]
     full, a = reference
@@ -153,7 +154,8 @@ def test_split_cores_runs_reproduce_and_resume_inside_a_window_exactly(model_dir
     a batch sampled ahead runs on half of the server's threads, any other on all of them, and that
     count is a function of the batch index alone (vLLM's CPU kernels round differently with another
     count). A run resumed inside a window samples its first batch in the foreground that the
-    uninterrupted run sampled ahead, on the same count, so it repeats that run exactly."""
+    uninterrupted run sampled ahead, on the same count, so it repeats that run exactly. Over 60 s:
+    a training and its resume, each with its own server."""
     import os
 
     cores = sorted(os.sched_getaffinity(0))[:2]

@@ -48,7 +48,8 @@ def test_a_fixed_lag_samples_batch_k_from_the_push_before_and_repeats_exactly(mo
     k-1 (version k-1; batches 0 and 1 from version 0) while batch k-1 trains, as the recorded batches'
     versions say; the instruments score it with that push's copy. A rerun gives the same numbers, and
     so does a run resumed from the checkpoint at step 2, whose batch 2 had been sampled (from
-    version 1) before the checkpoint: the resume samples it again from version 1's saved weights."""
+    version 1) before the checkpoint: the resume samples it again from version 1's saved weights.
+    Over 60 s: three trainings (the run, its rerun, its resume), each with its own server."""
     common = ["grpo.S=1", "grpo.M=5", "grpo.v=1", "grpo.i=1", "grpo.lag=1", "checkpoint.every=2",
               "checkpoint.keep_last=3", "eval_data=null", "log.save_rollouts=true"]
     a, _ = run(model_dir, tmp_path, "lag", *common)
@@ -88,7 +89,8 @@ def test_the_asynchronous_sampler_keeps_its_bound_counts_drops_and_resumes_witho
     queued before a push is dropped and counted; on_stale=wait with a bound of 1: the sampler waits
     (counted) instead of sampling a group that would be too stale, and nothing is dropped. A run
     resumed from its checkpoint (drop) trains on the prompts the interrupted run had not trained on
-    or dropped, none twice and none lost."""
+    or dropped, none twice and none lost. Over 60 s: a training and (drop) its resume, each with its
+    own server."""
     data = tmp_path / "sums.jsonl"  # prompts that are all different: a prompt names its place in the stream
     data.write_text("".join(json.dumps({"question": f"{a}+{b}", "answer": str(a + b)}) + "\n"
                             for a in range(1, 3) for b in range(100, 130)))
@@ -146,7 +148,8 @@ def prompt_stream(model_dir, data, n):
 def test_pushes_follow_the_measured_drift(model_dir, tmp_path):
     """push.policy=drift: a push before batch k exactly where the staleness measured on batch k-1
     (tv_staleness, its first pass) reached the threshold, or after max_interval batches without one,
-    and never within min_interval of the last; each says why. Decided here from the logged numbers."""
+    and never within min_interval of the last; each says why. Decided here from the logged numbers.
+    Over 60 s: a training of seven iterations with its server."""
     threshold, ceiling = 0.02, 3
     common = ["grpo.S=1", "grpo.M=7", "grpo.v=1", "grpo.i=2", "push.policy=drift", f"push.tv_threshold={threshold}",
               f"push.max_interval={ceiling}", "eval_data=null"]

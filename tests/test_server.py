@@ -1117,7 +1117,8 @@ def test_a_request_survives_deaths_one_after_another_and_one_while_the_server_st
     before its engine starts (a start is tried twice); the next one killed 0.5 s after it answers
     again (re-serving the last push or in the retried request). The request still answers, from the
     weights last pushed. Before, a request survived one death and a death during a start none (the
-    resumed run died with "exited with code -9 during start-up")."""
+    resumed run died with "exited with code -9 during start-up"). Over 60 s: the server starts three
+    times (one start killed as it binds its port)."""
     version = _push_next(server, _perturbed(tiny["hf"], seed=9))
     port_file = server._process.server_dir / "port"
     killed = []
