@@ -377,7 +377,11 @@ class Soak:
                 *(["--resume"] if resume else [])]
 
     def run_name(self, what: str) -> str:
-        return f"soak{self.args.seed}-{what}"
+        """The name of its run `what` ("chaos", "reference"), this soak's own: its weights roots in
+        /dev/shm carry it, and the leftovers counted are those of this soak's runs only (with the
+        seed alone, another soak of that seed running beside it, say a second test suite's, left
+        roots that this one reported as its own)."""
+        return f"soak{self.args.seed}-{self.tmp.name}-{what}"
 
     def start_reference(self) -> subprocess.Popen:
         name = self.run_name("reference")

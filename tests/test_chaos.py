@@ -75,8 +75,18 @@ def test_the_soak_sees_a_step_twice_a_changed_number_a_changed_batch_and_a_lefto
 
     soak.problems = []
     (tmp_path / "runs" / soak.run_name("chaos") / "checkpoints" / "step_4.tmp").mkdir(parents=True)
-    soak.leftovers()
-    chaos_soak.shutil.rmtree(soak.tmp, ignore_errors=True)  # its runs' TMPDIRs, made by Soak() and empty here
+    # another soak of the same seed running beside this one (a second suite on the machine): its
+    # weights root is not this soak's leftover
+    other = chaos_soak.Soak(argparse.Namespace(mode="short", seed=0, steps=(1, 1), out=str(tmp_path / "other"),
+                                               faults_per_kind=1))
+    beside = Path("/dev/shm") / f"grpo-weights-{other.run_name('chaos')}-h0p1s1-beside"
+    beside.mkdir()
+    try:
+        soak.leftovers()
+    finally:
+        beside.rmdir()
+        for s in (soak, other):
+            chaos_soak.shutil.rmtree(s.tmp, ignore_errors=True)  # its runs' TMPDIRs, made by Soak() and empty here
     assert soak.problems == ["a temporary file or directory is left in the run: checkpoints/step_4.tmp"]
 
 
