@@ -16,6 +16,8 @@ CASES_JSON holds a list of cases: {"name", "batch", "overrides": [key=value ...]
                          the device memory each rank reads (grpo.parallel.device_memory_bytes answers
                          that figure on that rank), as ranks on unlike nodes would (optim.grad_sync
                          auto decides from it)
+  "kind": "ref_swap"     pi_ref <- pi_theta (grpo.policy.copy_policy) after no-grad forwards, in
+                         place of GRPO steps (reference_swap); "batch" is then unused
 
 BATCH: "fixed" (random lengths) or "skewed" (the first half of the groups long, one sequence longer
 than a small token budget, the second half short: ranks plan different micro-batch counts), or
@@ -53,6 +55,7 @@ from grpo import parallel  # noqa: E402
 from grpo.config import load_config  # noqa: E402
 from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
 from grpo.parallel import close_distributed, gather_full_state_dict, gradient_sync_plan, init_distributed  # noqa: E402
+from grpo.policy import copy_policy  # noqa: E402
 from grpo.rollout import Rollout, Sample  # noqa: E402
 from grpo.train_config import TrainConfig  # noqa: E402
 
@@ -124,6 +127,27 @@ def run_steps(cfg, info, batch_kind: str) -> dict:
             "instruments": instruments}
 
 
+def reference_swap(cfg, info) -> dict:
+    """pi_ref <- pi_theta under FSDP2 bf16 mixed precision, after no-grad forwards of both (which leave
+    the root's parameters unsharded): the log-prob gaps before and after the swap, and whether the
+    frozen copy's parameters stay leaves without gradient."""
+    policy = train.build_policy(cfg, info.device, trainable=True)
+    ref = train.build_policy(cfg, info.device, trainable=False)
+    ids = torch.randint(3, 400, (2, 12), generator=torch.Generator().manual_seed(0))
+    index = torch.arange(5, 11)
+    targets = ids.view(-1)[index + 1]
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)  # pi_theta moves away from pi_ref
+        before = (policy(ids, index, targets)[0] - ref(ids, index, targets)[0]).abs().max().item()
+    copy_policy(ref, policy)  # as train.py calls it: gradients enabled around it
+    params = list(ref.parameters())
+    leaves = sum(p.is_leaf and not p.requires_grad and p.grad_fn is None for p in params)
+    with torch.no_grad():
+        after = (policy(ids, index, targets)[0] - ref(ids, index, targets)[0]).abs().max().item()
+    return {"before": before, "after": after, "frozen_parameters": len(params), "leaves_without_grad": leaves}
+
+
 @contextlib.contextmanager
 def patched(case: dict):
     """The case's stand-ins for what a launch of its own set in its environment, restored after it."""
@@ -171,7 +195,7 @@ def main():
             plugins_from = plugins_from or case["name"]
         cfg = load_config(TrainConfig, None, [f"model.path={model_dir}", *overrides])
         with patched(case):
-            result = run_steps(cfg, info, case["batch"])
+            result = reference_swap(cfg, info) if case.get("kind") == "ref_swap" else run_steps(cfg, info, case["batch"])
         if cfg.model.compile:
             torch._dynamo.reset()  # the compiled layers' graphs hold the case's sharded models (and the group)
         gc.collect()  # the case's models live in reference cycles (module hooks): free them before the next

@@ -1,8 +1,7 @@
 """The FSDP2 update step: 2 ranks give the 1-rank loss and update; both match plain HF + the objective.
 
 Every case runs in one of two torchrun launches of tests/fsdp_step_worker.py, one of 1 rank and one
-of 2 ranks (fixtures `one_rank` and `two_ranks`), one case after another in the same process group
-(the reference swap has a worker of its own).
+of 2 ranks (fixtures `one_rank` and `two_ranks`), one case after another in the same process group.
 A launch pays ~20 s of start-up (torchrun, imports, gloo) for steps of a second or two: with a launch
 per case, this file paid it 33 times. Each case builds its models, optimizer and Trainer from its own
 config as a launch of its own did; the tests read the cases' figures by name.
@@ -76,6 +75,7 @@ def cases(nproc: int) -> list[dict]:
         run += skip_pair("allmasked", "allmasked", OVERRIDES + ["objective.mask_zero_variance=true", "optim.weight_decay=0.1"])
         run += [case("activation_checkpointing", overrides=OVERRIDES + ["model.activation_checkpointing=true"]),
                 case("every_micro_batch", overrides=OVERRIDES + ["optim.grad_sync=every_micro_batch"]),
+                case("ref_swap", overrides=["model.dtype=bfloat16", "objective.beta=0.1"], kind="ref_swap"),
                 # Rank 0 reads 1 kB of device memory, rank 1 a petabyte. Next to last: before the fix the
                 # ranks hung here, and the cases before it keep their figures.
                 case("unlike_memory", rank_memory=[1000, 2**50])]
@@ -234,16 +234,11 @@ def test_first_loss_matches_plain_hf_and_objective(model_dir, one_rank):
     assert one["losses"][0] == pytest.approx(float(total), rel=1e-5, abs=1e-7)
 
 
-def test_reference_swap_under_bf16_mixed_precision(model_dir):
+def test_reference_swap_under_bf16_mixed_precision(two_ranks):
     """copy_policy after no-grad forwards (the root left unsharded) copies every shard, and the frozen
     copy's parameters stay leaves without gradient (no graph back to pi_theta), before and after a
     forward of the copy."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           os.path.join(ROOT, "tests", "ref_swap_worker.py"), str(model_dir)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    gaps = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    gaps = two_ranks["ref_swap"]
     assert gaps["before"] > 1e-3 and gaps["after"] == 0.0
     assert gaps["frozen_parameters"] == gaps["leaves_without_grad"] > 0
 
