@@ -137,6 +137,8 @@ def two_ranks(model_dir, tmp_path_factory):
 
 
 def test_two_ranks_equal_one_rank(one_rank, two_ranks):
+    """Over 60 s in its set-up: the first test of the file starts both launches (fixtures one_rank and
+    two_ranks, every case of every test here); the tests after it read their figures."""
     one, two = one_rank["base"], two_ranks["base"]
     assert one["world_size"] == 1 and two["world_size"] == 2
     assert one["micro_batches"] > 1  # the token budget forces gradient accumulation
