@@ -16,6 +16,8 @@ so the loop reads the same in every regime (docs/offpolicy.md, "Regimes"):
   waits instead of sampling it (`rollout.on_stale`). Every sample carries the version that sampled
   it (`Sample.weights_version`, per token with in-flight updates: `Sample.version_spans`), and its
   log-probs are that version's. Not reproducible: which version samples a group depends on timing.
+  With a fleet, a sampler thread per server keeps a call in flight on each, routed to the least
+  loaded server.
 
 Everything here runs on rank 0 (the server, the scorer and the prompt sampler live there); the
 loop broadcasts what it returns.
@@ -42,6 +44,9 @@ ASYNC_KEYS = metrics.declare_many("rollout", {
     "async_lag_steps_max": "rollout.mode async: the largest staleness of the batch's groups (optimizer steps from the push "
                            "of a group's oldest version to the batch's first step); never above rollout.max_staleness",
     "async_versions": "rollout.mode async: how many weights versions sampled the batch",
+    "async_spanning_frac": "rollout.mode async: fraction of the batch's sequences sampled by more than one weights "
+                           "version (rollout.inflight_updates: a push swapped the weights under them; their tokens "
+                           "count in the lag buckets of their own versions, tokens_lag*)",
 })
 
 
@@ -53,8 +58,8 @@ class RolloutConfig:
     max_staleness: int = 4  # async: optimizer steps between the push of the weights that sampled a group and its batch's first step, at most
     on_stale: Literal["wait", "drop"] = "wait"  # async: a group past max_staleness is never sampled (the sampler waits) or is dropped
     queue_groups: int = 0  # async: finished groups kept ahead of the trainer, at most (0: two batches)
-    groups_per_call: int = 0  # async: prompts per server call (0: grpo.batch_prompts); a push waits for the call in flight
-    inflight_updates: bool = False  # async: a push swaps the weights under the requests in flight (vLLM's keep mode); tokens carry their version
+    groups_per_call: int = 0  # async: prompts per server call, a call in flight per server (0: grpo.batch_prompts); a push waits for the calls in flight
+    inflight_updates: bool = False  # async: a push swaps the weights under the calls in flight instead (vLLM's keep mode); each token carries its version
 
     def __post_init__(self):
         if self.mode not in ("sync", "async"):
@@ -223,17 +228,33 @@ class Group:
         return out
 
 
+@dataclass
+class Call:
+    """A server call of the asynchronous sampler: its prompts' cursors (the prompt sampler's state
+    before each was drawn), and its groups once sampled."""
+
+    states: list[dict]
+    groups: Optional[list[Group]] = None
+
+
 class AsyncBatches:
-    """rollout.mode: async (module docstring). A sampler thread (rank 0) draws `groups_per_call`
-    prompts at a time, samples them from whatever the server serves and queues each group with its
-    version; it never waits for the trainer, except where the queue is full or, with on_stale: wait,
-    where a group it would sample now would be consumed past max_staleness. `take` assembles a batch
-    from the oldest groups, dropping (on_stale: drop) and counting those past the bound. The staleness
-    of a group is counted in optimizer steps from the push of its oldest version to its batch's first
-    step, as alpha_lag_steps is.
+    """rollout.mode: async (module docstring). Sampler threads (rank 0), one per server, each draw
+    `groups_per_call` prompts at a time, sample them from whatever the server serves (the fleet
+    routes each call to its least loaded server: grpo/serving/fleet.py) and queue each group with
+    its version; they never wait for the trainer, except where the queue is full or, with on_stale:
+    wait, where a group they would sample now would be consumed past max_staleness. Groups enter the
+    queue in the order their prompts were drawn (a call that finishes before an earlier one waits for
+    it). `take` assembles a batch from the oldest groups, dropping (on_stale: drop) and counting those
+    past the bound. The staleness of a group is counted in optimizer steps from the push of its
+    oldest version to its batch's first step, as alpha_lag_steps is.
+
+    rollout.inflight_updates: the calls ask for in-flight updates and every push keeps them (the
+    server swaps the weights under them: grpo/serving/engine_weights.py), so a completion spans the
+    versions that sampled it (Sample.version_spans); otherwise a push waits for the calls in flight.
 
     Resume: a checkpoint keeps the prompt cursor from before the oldest group neither trained on nor
-    dropped (queued or in flight): those prompts are drawn again, none is lost or repeated."""
+    dropped (queued or in flight): those prompts are drawn again, none is lost or repeated (the queue
+    is in draw order, so every group after that cursor is one not trained on)."""
 
     def __init__(self, cfg, engine_threads: Callable[[bool], Optional[int]] = lambda overlapping: None):
         self.cfg = cfg
@@ -242,9 +263,10 @@ class AsyncBatches:
         self.per_call = r.groups_per_call or self.batch
         self.capacity = r.queue_groups or 2 * self.batch
         self.queue: list[Group] = []
-        self.inflight_states: list[dict] = []  # the cursors of the call being sampled
+        self.calls: dict[int, Call] = {}  # drawn and not yet queued, by their place in the draw order
+        self.drawn = 0  # calls drawn so far
         self.cond = threading.Condition()
-        self.thread: Optional[threading.Thread] = None
+        self.threads: list[threading.Thread] = []
         self.stopping = False
         self.error: Optional[BaseException] = None
         self.engine_threads = engine_threads
@@ -258,11 +280,17 @@ class AsyncBatches:
     # -- the trainer's side ----------------------------------------------------------------------
 
     def start(self, run, progress) -> None:
-        """Begin sampling (after set-up or a resume), from the weights the server serves now."""
+        """Begin sampling (after set-up or a resume), from the weights the server serves now: a
+        sampler thread per server, each with one call in flight."""
         self.pushed(progress)
         self.step_at_take = progress.step
-        self.thread = threading.Thread(target=self._sample_forever, args=(run,), name="async-sampler", daemon=True)
-        self.thread.start()
+        servers = getattr(run.server, "servers", [run.server])
+        if hasattr(run.server, "set_inflight_updates"):
+            run.server.set_inflight_updates(self.cfg.rollout.inflight_updates)
+        self.threads = [threading.Thread(target=self._sample_forever, args=(run,), name=f"async-sampler-{r}",
+                                         daemon=True) for r in range(len(servers))]
+        for thread in self.threads:
+            thread.start()
 
     def pushed(self, progress) -> None:
         """The trainer pushed (or started): the version it serves now and its step."""
@@ -274,14 +302,15 @@ class AsyncBatches:
             self.cond.notify_all()
 
     def before_push(self) -> None:
-        """Nothing to drain: the server lets the call in flight finish on the weights it started on."""
+        """Nothing to drain: the server lets the calls in flight finish on the weights they started
+        on (or, with in-flight updates, swaps the weights under them)."""
 
     def start_ahead(self, *args) -> None:
-        """Nothing to start: the sampler thread samples all the time."""
+        """Nothing to start: the sampler threads sample all the time."""
 
     def busy(self) -> bool:
         with self.cond:
-            return bool(self.inflight_states)
+            return bool(self.calls)
 
     def staleness(self, version: int, first_step: int) -> Optional[int]:
         pushed = self.push_steps.get(version)
@@ -317,7 +346,8 @@ class AsyncBatches:
             "time_wait_generate": time.time() - t0, "async_dropped_groups": float(dropped),
             "async_dropped_total": float(counts["dropped"]), "async_sampler_waits": float(counts["waits"]),
             "async_sampler_wait_s": counts["wait_s"], "async_queue_groups": float(queued),
-            "async_lag_steps_max": float(max(lags)), "async_versions": float(len(rollout.versions))})
+            "async_lag_steps_max": float(max(lags)), "async_versions": float(len(rollout.versions)),
+            "async_spanning_frac": sum(s.version_spans is not None for s in rollout.samples) / len(rollout.samples)})
         return rollout
 
     def state_dict(self, sampler) -> dict:
@@ -325,8 +355,8 @@ class AsyncBatches:
         with self.cond:
             if self.queue:
                 state = self.queue[0].sampler_state
-            elif self.inflight_states:
-                state = self.inflight_states[0]
+            elif self.calls:
+                state = self.calls[min(self.calls)].states[0]
             else:
                 state = sampler.state_dict()
             return {"sampler": dict(state), "dropped": self.counts["dropped"]}
@@ -338,28 +368,37 @@ class AsyncBatches:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
-        if self.thread is not None:
-            self.thread.join(timeout=self.cfg.server.request_timeout_s)
+        for thread in self.threads:
+            thread.join(timeout=self.cfg.server.request_timeout_s)
 
-    # -- the sampler thread ------------------------------------------------------------------------
+    # -- the sampler threads -----------------------------------------------------------------------
+
+    def _in_flight(self) -> int:
+        """Groups drawn and not yet queued (calls in flight, and finished ones waiting for an earlier one)."""
+        return sum(len(call.states) for call in self.calls.values())
 
     def _predicted_staleness(self, ahead: int) -> Optional[int]:
         """The staleness a group sampled now would have when trained on: `ahead` groups (queued, in
-        this call, itself) come before it, a batch of them every i optimizer steps."""
+        flight, in this call, itself) come before it, a batch of them every i optimizer steps."""
         version, pushed = self.served
         batches = -(-ahead // self.batch)
         first_step = self.step_at_take + self.cfg.grpo.i * batches
         return None if pushed is None else first_step - pushed
 
     def _may_sample(self) -> bool:
-        if len(self.queue) + self.per_call > self.capacity:
+        ahead = len(self.queue) + self._in_flight() + self.per_call
+        if ahead > self.capacity:
             return False
         if self.cfg.rollout.on_stale == "wait":
-            lag = self._predicted_staleness(len(self.queue) + self.per_call)
+            lag = self._predicted_staleness(ahead)
             return lag is not None and lag <= self.cfg.rollout.max_staleness
         return True
 
     def _sample_forever(self, run) -> None:
+        """One sampler thread: draw a call's prompts, sample them, hand the groups over in draw order."""
+        generate = getattr(run.server, "generate_routed", None)
+        inflight = self.cfg.rollout.inflight_updates
+        server = _Routed(generate, inflight) if generate is not None else run.server
         try:
             while True:
                 with self.cond:
@@ -377,17 +416,33 @@ class AsyncBatches:
                     for _ in range(self.per_call):
                         states.append(run.sampler.state_dict())
                         problems.append(run.sampler.next_problem())
-                    self.inflight_states = states
-                part = sample_groups(run.server, problems, run.tokenizer, run.cfg, run.scorer, None, None,
+                    number, self.drawn = self.drawn, self.drawn + 1
+                    self.calls[number] = Call(states)
+                part = sample_groups(server, problems, run.tokenizer, run.cfg, run.scorer, None, None,
                                      self.engine_threads(True))
                 with self.cond:
-                    self.queue.extend(Group.split(part, states, run.cfg.grpo.G))
-                    self.inflight_states = []
+                    self.calls[number].groups = Group.split(part, states, run.cfg.grpo.G)
+                    while self.calls and self.calls[min(self.calls)].groups is not None:  # in draw order
+                        self.queue.extend(self.calls.pop(min(self.calls)).groups)
                     self.cond.notify_all()
         except BaseException as e:  # the trainer raises it at its next take
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+
+
+class _Routed:
+    """The fleet as sample_groups calls it from a sampler thread: each call whole on the least
+    loaded server (ServerFleet.generate_routed), asking for in-flight updates where configured."""
+
+    def __init__(self, generate_routed: Callable, inflight_updates: bool):
+        self.generate_routed = generate_routed
+        self.inflight_updates = inflight_updates
+
+    def generate(self, prompt_token_ids, n, max_tokens, temperature, top_p=1.0, stop_token_ids=None, seed=None,
+                 engine_threads=None):
+        return self.generate_routed(prompt_token_ids, n, max_tokens, temperature, top_p, stop_token_ids, seed,
+                                    engine_threads, self.inflight_updates)
 
 
 def make_batch_source(cfg, sample_ahead: Callable[[int], bool]):

@@ -4,8 +4,11 @@
     batches = read_rollouts("runs/<name>")        # pyarrow Tables in (stage, iteration) order
 
 A row per sampled sequence: the prompt and completion token ids, alpha's per-token log-probs (the
-float32 the trainer computes with), reward, correctness, advantage, eq. 8 / RED weight, and the
-batch's stage, iteration, seed and weights version (the columns are SCHEMA; docs/offpolicy.md).
+float32 the trainer computes with), reward, correctness, advantage, eq. 8 / RED weight, the
+batch's stage, iteration, seed and weights version, and the version spans of a sequence that a
+push split (in-flight updates: which version sampled which of its tokens; empty for the others)
+(the columns are SCHEMA; docs/offpolicy.md). Files of format 3, which has no spans, read as
+sequences of one version each.
 Any dataframe library reads the files one by one or the directory as one dataset. Each file's
 schema metadata says what its numbers mean: the format, the model they were made with (its
 config.json) and the tokenizer's vocabulary (a sha256 of its token -> id map): `model_and_tokenizer`;
@@ -38,8 +41,10 @@ from grpo.fsutil import fsync_dir, fsync_file, no_space, preallocate
 
 ROLLOUTS_DIR = "rollouts"
 # In each file's schema metadata; bumped when a column changes meaning or the metadata what it
-# holds (2: the model and tokenizer the batch was made with; 3: the weights that sampled it).
-FORMAT = "grpo-rollouts/3"
+# holds (2: the model and tokenizer the batch was made with; 3: the weights that sampled it; 4: the
+# version spans of sequences sampled by several versions).
+FORMAT = "grpo-rollouts/4"
+SPANLESS = "grpo-rollouts/3"  # no version_spans column: every sequence sampled by its weights_version alone
 UNWEIGHED = "grpo-rollouts/2"  # replayed only where the weights are not checked (replay_other_weights)
 # config.json keys that do not change what the model computes for a token id
 _NOT_THE_MODEL = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")
@@ -65,7 +70,12 @@ SCHEMA = pa.schema([
     ("adv", pa.float64()),  # eq. 2 advantage (after RED)
     ("seq_weight", pa.float64()),  # eq. 8 mask / RED weight: 0 for a sequence that contributes nothing
     ("truncated", pa.bool_()),  # cut at grpo.max_new_tokens
+    # [[version, start, end], ...] over the completion tokens where a push swapped the weights while the
+    # sequence was sampled (in-flight updates), each range sampled by that version; [] where weights_version
+    # sampled every token (the first span's version is weights_version)
+    ("version_spans", _list(_list(pa.int32()))),
 ], metadata={"format": FORMAT})
+ADDED_IN_FORMAT_4 = ("version_spans",)  # absent from format 3 (and 2) files, which read as having none
 
 
 def model_and_tokenizer(model_dir: str | os.PathLike, tokenizer) -> dict[str, str]:
@@ -152,6 +162,7 @@ def batch_table(stage: int, iteration: int, seed: int, rollout, made_with: dict[
         "logp_alpha": [s.logp_alpha for s in samples], "reward": [s.reward for s in samples],
         "correct": [s.correct for s in samples], "adv": [s.adv for s in samples],
         "seq_weight": [s.seq_weight for s in samples], "truncated": [s.truncated for s in samples],
+        "version_spans": [s.version_spans or [] for s in samples],
     }
     schema = SCHEMA.with_metadata({**SCHEMA.metadata, **{k.encode(): v.encode() for k, v in made_with.items()}})
     return pa.Table.from_pydict(columns, schema=schema)
@@ -163,10 +174,6 @@ def record_batch(run_dir: str | os.PathLike, stage: int, iteration: int, seed: i
     what an earlier attempt of the run recorded past it. `made_with`: the model and tokenizer it was
     made with (`model_and_tokenizer`) and the weights that sampled it (`sampled_by`). Returns the file. A full disk raises grpo.fsutil.NoSpaceError
     and leaves the directory as it was."""
-    if any(s.version_spans for s in rollout.samples):
-        # this format keeps one version per sequence: recording would lose which weights sampled a token
-        raise ValueError(f"batch ({stage}, {iteration}): a sequence sampled by several weights versions (in-flight "
-                         f"updates) cannot be recorded in {FORMAT}")
     path = batch_path(run_dir, stage, iteration)
     tmp = path.with_name(f".{path.name}.tmp")
     sink = pa.BufferOutputStream()  # in memory first: the write's size is known before it starts
@@ -278,7 +285,8 @@ class RecordedStream:
         samples = [Sample(group=r["group"], prompt_ids=r["prompt_ids"], completion_ids=r["completion_ids"],
                           logp_alpha=r["logp_alpha"], truncated=r["truncated"], reward=r["reward"],
                           correct=r["correct"], adv=adv[j], seq_weight=seq_weight[j],
-                          weights_version=r["weights_version"]) for j, r in enumerate(rows)]
+                          weights_version=r["weights_version"], version_spans=r.get("version_spans") or None)
+                   for j, r in enumerate(rows)]
         stats = {**adv_stats, **batch_stats(samples), "reward_timeouts": 0.0, "time_generate": 0.0,
                  "time_reward": 0.0, "engine": {}}
         return Rollout(samples, stats)
@@ -299,11 +307,11 @@ def check_batch(path: Path, key: tuple[int, int], batch_prompts: int, G: int, ma
     if found == UNWEIGHED and starts_from is not None:
         raise ReplayError(f"format {found}, which does not record the weights that sampled it, so they cannot be "
                           f"checked against model.path's; replay_other_weights=true replays it without that check")
-    if found != FORMAT and found != UNWEIGHED:
+    if found not in (FORMAT, SPANLESS, UNWEIGHED):
         why = ("no format in its metadata (not written by log.save_rollouts)" if found is None else
                f"format {found}, which does not record the model and tokenizer it was made with"
                if found == "grpo-rollouts/1" else f"unknown format {found}")
-        raise ReplayError(f"{why}; this version replays {FORMAT}")
+        raise ReplayError(f"{why}; this version replays {FORMAT} (and {SPANLESS})")
     if meta.get("model") != made_with["model"]:
         differs = _differs(meta.get("model", "{}"), made_with["model"])
         raise ReplayError(f"made with another model than model.path: {differs}")
@@ -312,6 +320,8 @@ def check_batch(path: Path, key: tuple[int, int], batch_prompts: int, G: int, ma
                           f"{meta.get('tokenizer', 'absent')[:12]} there, {made_with['tokenizer'][:12]} here)")
     col = {}
     for field in SCHEMA:
+        if field.name in ADDED_IN_FORMAT_4 and found != FORMAT:
+            continue  # an older format: none recorded (every sequence of one version)
         if field.name not in table.column_names:
             raise ReplayError(f"no column {field.name}")
         if not table.column(field.name).type.equals(field.type):
@@ -354,8 +364,29 @@ def check_batch(path: Path, key: tuple[int, int], batch_prompts: int, G: int, ma
         raise ReplayError(f"row {_row_of(col['logp_alpha'], at)}: logp_alpha holds {logps[at]}, not a finite log-prob")
     if (row := _first(pc.invert(pc.is_finite(col["reward"])))) >= 0:
         raise ReplayError(f"row {row}: reward is {col['reward'][row]}, not a finite number")
+    spans = col.get("version_spans")
+    if spans is not None:
+        _check_spans(spans, col["weights_version"], lengths[1])
     if starts_from is not None and pc.max(col["weights_version"]).as_py() == 0:
         _check_starting_weights(meta.get("weights"), starts_from)
+
+
+def _check_spans(spans: pa.Array, versions: pa.Array, lengths: pa.Array) -> None:
+    """Each row's version spans, where it has any: [version, start, end] triples that tile its
+    completion tokens in order, from weights_version on, each version newer than the one before."""
+    for row in pc.indices_nonzero(pc.greater(pc.list_value_length(spans), 0)).to_pylist():
+        triples, n = spans[row].as_py(), lengths[row].as_py()
+        where = f"row {row}: version_spans {triples}"
+        if any(len(t) != 3 for t in triples):
+            raise ReplayError(f"{where}: each span is [version, start, end]")
+        if triples[0][0] != versions[row].as_py():
+            raise ReplayError(f"{where}: the first span's version is not weights_version {versions[row].as_py()}")
+        ends = [0] + [end for _, _, end in triples]
+        if [start for _, start, _ in triples] != ends[:-1] or ends[-1] != n or any(
+                start >= end for _, start, end in triples):
+            raise ReplayError(f"{where}: the spans do not tile the {n} completion tokens in order")
+        if any(b[0] <= a[0] for a, b in zip(triples, triples[1:])):
+            raise ReplayError(f"{where}: each span's version must be newer than the one before")
 
 
 def _check_starting_weights(recorded: Optional[str], starts_from: dict[str, list]) -> None:

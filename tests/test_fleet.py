@@ -183,6 +183,34 @@ def test_the_parity_probe_checks_every_server_and_names_the_one_apart(fleet, tin
     assert fleet.weights_version() == version + 2
 
 
+@pytest.mark.vllm
+def test_a_routed_call_goes_to_the_least_loaded_server_and_two_at_once_to_both(fleet, tiny):
+    """rollout.mode async routes each sampler call whole (ServerFleet.generate_routed): to the server
+    whose engine reports the least work (GET /grpo/load). Server 0 busy with a long generate of its
+    own (another client): a routed call goes to server 1. Both idle: two calls routed at once go one
+    to each server (the fleet counts a call as soon as it sends it, before the engine sees it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _push_next(fleet, _perturbed(tiny["hf"], seed=41))
+    ids = tiny["prompt_ids"]
+    busy = InferenceClient(fleet.servers[0].url, fleet.servers[0]._token)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(busy.generate, ids * 2, 8, 120, 1.0)
+        while fleet.servers[0].load()["requests"] == 0:
+            assert not running.done()
+            time.sleep(0.05)
+        routed = fleet.generate_routed(ids[:1], n=2, max_tokens=4, temperature=1.0)
+        assert not running.done(), "the busy server finished first: nothing was tested"
+        running.result(timeout=300)
+    assert (routed.engine["fleet_server0_share"], routed.engine["fleet_server1_share"]) == (0.0, 1.0)
+    assert [s.load()["requests"] for s in fleet.servers] == [0, 0]
+    with ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(fleet.generate_routed, ids[:2], 4, 64, 1.0) for _ in range(2)]
+        results = [c.result(timeout=300) for c in calls]
+    assert sorted(r.engine["fleet_server1_share"] for r in results) == [0.0, 1.0]
+    assert fleet._routed == [0, 0]  # every routed call counted back out
+
+
 @pytest.fixture
 def hand_started(tiny, tmp_path):
     """Two servers started by hand with one token, as docs/layouts.md starts them ("Two servers on
@@ -262,3 +290,50 @@ def test_a_resume_on_attached_servers_that_served_past_the_checkpoint_is_exact(t
         assert b[step]["fleet_server0_groups"] == b[step]["fleet_server1_groups"] == 2
         for key in ("reward_mean", "loss", "grad_norm", "kl", "tv_pik_alpha", "completion_len_mean", "weights_version"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+@pytest.mark.vllm
+def test_an_asynchronous_run_on_two_servers_routes_calls_to_both_and_trains_on_sequences_spanning_pushes(
+        tiny, hand_started, tmp_path):
+    """rollout.mode async with rollout.inflight_updates on two attached servers (~3 min here: the two
+    servers start for this test, ~45 s, then a 4-step run of 128-token completions, long enough to be
+    in flight at pushes; one run covers both items): a sampler thread per server, each call routed
+    to the least loaded one, and pushes that swap the weights under the calls in flight. Both servers
+    sample (fleet_server<r>_share), some recorded sequences span two versions (the spans tile their
+    tokens from their weights_version on), async_spanning_frac is the recorded fraction, and the
+    per-lag instruments count each token at its own version's lag: lag_pushes_mean is the active
+    tokens' mean of (the step's version - the token's version), from the recording's spans."""
+    from grpo.recording import read_rollouts
+
+    common = ["grpo.S=1", "grpo.M=4", "grpo.v=1", "grpo.i=1", "grpo.max_new_tokens=128", "rollout.mode=async",
+              "rollout.inflight_updates=true", "rollout.groups_per_call=1", "rollout.max_staleness=6",
+              "checkpoint.every=100", "eval_data=null", "log.save_rollouts=true", "server.push_mode=bytes",
+              f"server.token_file={hand_started['token_file']}", f"server.urls={json.dumps(hand_started['urls'])}"]
+    proc = subprocess.run(train_cmd(1, tiny["model_dir"], tmp_path, "inflight", *common), cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {r["step"]: r for r in read_rows(tmp_path / "inflight") if "loss" in r}
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert all(sum(rows[s][f"fleet_server{r}_share"] for s in rows) > 0 for r in (0, 1)), rows
+    spanning, checked = 0, 0
+    for s, table in zip(sorted(rows), read_rollouts(tmp_path / "inflight")):
+        batch = table.to_pylist()
+        split = [r for r in batch if r["version_spans"]]
+        spanning += len(split)
+        assert rows[s]["async_spanning_frac"] == pytest.approx(len(split) / len(batch))
+        for r in split:
+            assert r["version_spans"][0][0] == r["weights_version"] and r["version_spans"][-1][2] == len(
+                r["completion_ids"]) and len(r["version_spans"]) >= 2
+        lags = []
+        for r in batch:
+            if r["seq_weight"] == 0:
+                continue
+            versions = [r["weights_version"]] * len(r["completion_ids"])
+            for version, start, end in r["version_spans"]:
+                versions[start:end] = [version] * (end - start)
+            lags += [rows[s]["weights_version"] - v for v in versions]
+        if lags:
+            checked += 1
+            assert rows[s]["lag_pushes_mean"] == pytest.approx(sum(lags) / len(lags)), s
+    print(f"{spanning} recorded sequences span pushes; lag_pushes_mean checked at {checked} steps")
+    assert spanning > 0, "no sequence was in flight at a push"

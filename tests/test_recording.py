@@ -117,7 +117,7 @@ def test_a_recorded_batch_reads_back_as_exactly_its_samples(tmp_path):
     table = pq.read_table(path)
     assert table.schema.equals(SCHEMA)
     # what the numbers mean travels with them: the format, the model and the tokenizer they were made with
-    assert table.schema.metadata == {b"format": b"grpo-rollouts/3", **{k.encode(): v.encode() for k, v in MADE_WITH.items()}}
+    assert table.schema.metadata == {b"format": b"grpo-rollouts/4", **{k.encode(): v.encode() for k, v in MADE_WITH.items()}}
     rows = table.to_pylist()
     assert len(rows) == len(rollout.samples) == 12
     for row, s in zip(rows, rollout.samples):
@@ -175,3 +175,35 @@ def test_a_resumed_run_rewrites_the_batches_after_its_checkpoint_without_duplica
     assert keys == sorted(seeds) and len(set(keys)) == len(keys)
     assert batches[2].column("weights_version").to_pylist() == [7] * 12
     assert read_rollouts(tmp_path / "no-such-run") == []
+
+
+def test_a_sequence_split_by_a_push_is_recorded_with_its_spans_and_replayed_per_token(tmp_path):
+    """In-flight updates (rollout.inflight_updates): a sequence that a push split carries its version
+    spans; format 4 records them (before, record_batch refused such a batch: "cannot be recorded in
+    grpo-rollouts/3"), and the replay's rollout (train.py --replay, scripts/compare_objectives.py)
+    gives each token its own version again. The other sequences record no spans."""
+    rollout = batch(seed=9, version=4)
+    split = rollout.samples[5]
+    n = len(split.completion_ids)
+    split.version_spans = [[4, 0, 2], [5, 2, n]]
+    record_batch(tmp_path, 0, 3, 9, rollout, MADE_WITH)
+    spans = pq.read_table(batch_path(tmp_path, 0, 3)).column("version_spans").to_pylist()
+    assert spans[5] == [[4, 0, 2], [5, 2, n]] and all(s == [] for j, s in enumerate(spans) if j != 5)
+    stream = recording.RecordedStream(tmp_path)
+    stream.check_batches([(0, 3)], config(B=3, G=4), MADE_WITH, None)
+    again = stream.rollout(0, 3, config(B=3, G=4))
+    assert again.samples[5].token_versions() == [4, 4] + [5] * (n - 2) and again.versions == [4, 5]
+    assert all(s.version_spans is None for j, s in enumerate(again.samples) if j != 5)
+
+
+def test_a_recording_of_format_3_reads_as_sequences_of_one_version(tmp_path):
+    """Files written before format 4 have no version_spans column: they pass the checks and replay as
+    before, every token of a sequence its weights_version's."""
+    record_batch(tmp_path, 0, 0, 5, batch(seed=5, version=2), MADE_WITH)
+    path = batch_path(tmp_path, 0, 0)
+    table = pq.read_table(path).drop_columns(["version_spans"])
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"format": b"grpo-rollouts/3"}), path)
+    stream = recording.RecordedStream(tmp_path)
+    stream.check_batches([(0, 0)], config(B=3, G=4), MADE_WITH, None)
+    again = stream.rollout(0, 0, config(B=3, G=4))
+    assert again.versions == [2] and all(s.version_spans is None for s in again.samples)

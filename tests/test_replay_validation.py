@@ -106,6 +106,12 @@ def _spoil(case: str, path: Path, model_dir: Path, vocab: int) -> None:
         _rewrite(path, _set_row("completion_ids", 4, lambda ids: ids[:-1] + [vocab]))
     elif case == "groups interleaved":  # rows 1 and 8 swapped: each group's 8 rows are no longer consecutive
         _rewrite(path, lambda t: t.take([0, 8, *range(2, 8), 1, *range(9, t.num_rows)]))
+    elif case == "spans not tiling":  # a sequence split by a push whose spans leave a token out
+        _rewrite(path, _set_row("version_spans", 6, lambda _: [[0, 0, 1], [1, 2, 8]]))
+    elif case == "spans from another version":
+        _rewrite(path, _set_row("version_spans", 6, lambda _: [[3, 0, 1], [4, 1, 8]]))
+    elif case == "spans going back":
+        _rewrite(path, _set_row("version_spans", 6, lambda _: [[0, 0, 1], [0, 1, 8]]))
     elif case == "unknown format":
         _rewrite(path, _with_metadata(format="grpo-rollouts/9"))
     elif case == "format 1":
@@ -139,7 +145,13 @@ CASES = {
     "null reward": "row 5: reward is null",
     "token outside the vocabulary": "row 4: completion_ids holds token id 454, outside the model's vocabulary [0, 454)",
     "groups interleaved": "row 1: a group's 8 sequences are not consecutive rows",
-    "unknown format": "unknown format grpo-rollouts/9; this version replays grpo-rollouts/3",
+    "spans not tiling": "row 6: version_spans [[0, 0, 1], [1, 2, 8]]: the spans do not tile the 8 completion "
+                        "tokens in order",
+    "spans from another version": "row 6: version_spans [[3, 0, 1], [4, 1, 8]]: the first span's version is not "
+                                  "weights_version 0",
+    "spans going back": "row 6: version_spans [[0, 0, 1], [0, 1, 8]]: each span's version must be newer than the one "
+                        "before",
+    "unknown format": "unknown format grpo-rollouts/9; this version replays grpo-rollouts/4 (and grpo-rollouts/3)",
     "format 1": "format grpo-rollouts/1, which does not record the model and tokenizer",
     "format 2": "format grpo-rollouts/2, which does not record the weights that sampled it, so they cannot be "
                 "checked against model.path's; replay_other_weights=true replays it without that check",

@@ -4,6 +4,7 @@ Every test sets up the weights it asserts on (it pushes the next version from wh
 serves), so each passes alone and in any selection: the engine is shared, its history is not.
 """
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -353,10 +354,11 @@ def test_a_score_whose_client_hung_up_stops_and_lets_the_next_push_through(serve
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("setting", [{"temperature": 0.7}, {"temperature": 0.7, "top_k": 20, "top_p": 0.9}],
-                         ids=["t0.7", "t0.7-topk-topp"])
+@pytest.mark.parametrize("setting", [{"temperature": 0.7, "top_k": 20}, {"temperature": 0.7, "top_k": 20, "top_p": 0.9}],
+                         ids=["t0.7-topk", "t0.7-topk-topp"])
 def test_a_score_at_another_temperature_whose_client_hung_up_frees_the_engine_at_once(server, tiny, setting):
-    """At T != 1 (or with top-k/top-p) a score is one engine request per completion token: the largest
+    """With top-k or top-p a score is one engine request per completion token (at T != 1 alone it is a
+    request per sequence since issue 49: test_a_scaled_score_whose_client_hung_up_...): the largest
     score allowed is 16,384 requests, ~40-130 s of work here. Its client hangs up after 3 s; then a small
     score, and after a second such hang-up a push, must take at most 1.5 s more than on the idle engine
     (measured after the fix: 0.1-0.2 s more with the machine to itself, up to 1.1 s beside other work).
@@ -1322,6 +1324,228 @@ def test_a_request_sets_the_engines_threads_for_its_batch(server, tiny):
     again = server.generate(ids, n=4, max_tokens=16, temperature=1.0, seed=7, engine_threads=1)
     assert [[c.token_ids for c in g] for g in again.completions] == [[c.token_ids for c in g] for g in one.completions]
     assert [[c.logprobs for c in g] for g in again.completions] == [[c.logprobs for c in g] for g in one.completions]
+
+
+# ---- in-flight updates, a score at T != 1 in a request per sequence (issue 49) ---------------------
+
+
+def _client(server, **kwargs) -> InferenceClient:
+    return InferenceClient(server.client.url, server._token, **kwargs)
+
+
+def _loaded(server, version: int, state_dict: dict, keep_requests: bool) -> dict:
+    """The second half of a push (server.push writes first): the server loads an already written
+    version, swapping the weights under in-flight generates when keep_requests."""
+    import concurrent.futures
+
+    weights_dir = server.write(state_dict, version, step=version)
+    expected = concurrent.futures.Future()
+    expected.set_result(server._moments(state_dict))
+    server.inflight_updates = keep_requests
+    try:
+        return server.load_checked(weights_dir, version, expected)
+    finally:
+        server.inflight_updates = False
+        server.prune()
+
+
+@pytest.mark.vllm
+def test_a_push_that_keeps_requests_swaps_the_weights_under_a_generation_each_token_on_its_version(server, tiny):
+    """rollout.inflight_updates, on the real engine: a generation asked with inflight_updates is in
+    flight when a push with keep_requests lands (vLLM's pause mode "keep"). The push does not wait
+    for it; the generation goes on with the new weights, and each completion says where: its
+    version_spans are [[v, 0, s], [v + 1, s, n]] (or one span where it ended before the push). Every
+    token before s carries version v's log-prob and every token from s on version v + 1's: the
+    engine scores the same tokens under each version (/grpo/score, v + 1's weights served again as
+    v + 2 for the second), and HF recomputes them, and the two versions' numbers differ by far more
+    than the tolerance (the check can tell them apart). A plain generate, outside the in-flight
+    mode, still comes from one version."""
+    T = 0.7
+    old_sd, new_sd = _perturbed(tiny["hf"], seed=31), _perturbed(tiny["hf"], seed=32)
+    old = _push_next(server, old_sd)
+    prompts = tiny["prompt_ids"] * 2
+    body = {"prompt_token_ids": prompts, "n": 4, "max_tokens": 200, "temperature": T, "inflight_updates": True}
+    with ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        running = pool.submit(lambda: _client(server).request("POST", "/grpo/generate", json_body=body))
+        while server.load()["requests"] == 0:  # in the engine (its 16 sequences)
+            assert not running.done() and time.monotonic() - t0 < 60, "the generation never reached the engine"
+            time.sleep(0.05)
+        time.sleep(0.5)  # some tokens on the old weights
+        reply = _loaded(server, old + 1, new_sd, keep_requests=True)
+        pushed_at = time.monotonic() - t0
+        assert not running.done(), "the generation ended before the push: nothing was swapped under it"
+        out = running.result(timeout=300)
+    print(f"push with keep_requests landed {pushed_at:.2f} s into the generation, took {reply['seconds']:.2f} s")
+    assert out["weights_version"] == old  # what it started on
+    completions = [c for per_prompt in out["completions"] for c in per_prompt]
+    pairs = [(prompts[j // 4], c["token_ids"]) for j, c in enumerate(completions)]
+    split = []
+    for j, c in enumerate(completions):
+        spans, n = c["version_spans"], len(c["token_ids"])
+        assert spans in ([[old, 0, n]], [[old + 1, 0, n]]) or (
+            len(spans) == 2 and spans[0][:2] == [old, 0] and spans[1] == [old + 1, spans[0][2], n]), spans
+        if len(spans) == 2:
+            split.append(j)
+    assert split, "no completion spans the push"
+    print(f"{len(split)} of {len(completions)} completions span versions {old} and {old + 1}")
+    scored_new = server.score(pairs, temperature=T)
+    assert scored_new.weights_version == old + 1
+    _push_next(server, old_sd)  # version old + 2: the old weights again
+    scored_old = server.score(pairs, temperature=T)
+    old_hf, new_hf = copy.deepcopy(tiny["hf"]), copy.deepcopy(tiny["hf"])
+    old_hf.load_state_dict(old_sd)
+    new_hf.load_state_dict(new_sd)
+    hf_old, hf_new = _hf_scores(old_hf, pairs, T), _hf_scores(new_hf, pairs, T)
+    for j in split:
+        s = completions[j]["version_spans"][0][2]
+        got = torch.tensor(completions[j]["logprobs"])
+        assert torch.allclose(got[:s], torch.tensor(scored_old.logprobs[j][:s]), atol=SCORE_ATOL)
+        assert torch.allclose(got[s:], torch.tensor(scored_new.logprobs[j][s:]), atol=SCORE_ATOL)
+        assert torch.allclose(got[:s], hf_old[j][:s], atol=2e-3) and torch.allclose(got[s:], hf_new[j][s:], atol=2e-3)
+        assert float((hf_old[j][s:] - hf_new[j][s:]).abs().max()) > 100 * SCORE_ATOL  # the versions differ there
+    plain = server.generate(tiny["prompt_ids"], n=2, max_tokens=8, temperature=T)
+    assert {tuple(map(tuple, c.version_spans)) for g in plain.completions for c in g} == {
+        ((plain.weights_version, 0, len(c.token_ids)),) for g in plain.completions for c in g}
+
+
+@pytest.mark.vllm
+def test_a_push_without_keep_requests_lets_an_in_flight_generation_finish_on_its_weights(server, tiny):
+    """The same in-flight generation and a push without keep_requests (the default): the push waits in
+    the engine (mode "wait") for it to finish, so every completion is of the version it started on."""
+    old = _push_next(server, _perturbed(tiny["hf"], seed=33))
+    body = {"prompt_token_ids": tiny["prompt_ids"], "n": 4, "max_tokens": 200, "temperature": 0.7,
+            "inflight_updates": True}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(lambda: _client(server).request("POST", "/grpo/generate", json_body=body))
+        while server.load()["requests"] == 0:
+            time.sleep(0.05)
+        _loaded(server, old + 1, _perturbed(tiny["hf"], seed=34), keep_requests=False)
+        out = running.result(timeout=300)
+    assert all(c["version_spans"] == [[old, 0, len(c["token_ids"])]] for g in out["completions"] for c in g)
+
+
+@pytest.mark.vllm
+def test_an_in_flight_generation_takes_no_seed(server, tiny):
+    with pytest.raises(InferenceServerError, match="seed: a batch with inflight_updates is not reproducible"):
+        server.client.generate(tiny["prompt_ids"], n=1, max_tokens=4, temperature=1.0, seed=3, inflight_updates=True)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("T", [0.7, 0.1])
+def test_a_score_at_another_temperature_takes_a_request_per_sequence_with_the_per_token_figures(server, tiny, T):
+    """At T != 1 without top-k/top-p the engine scores a sequence per request, its logits divided by
+    T as the sampler divides them: the numbers are those of the request-per-token path (the
+    sampler's own, reached with top_k = the vocabulary: every token kept) and those the sampler
+    gave the samples, at the paper's temperatures. The engine's logits are its own again after
+    it: a score at T = 1 and a sample after it give HF's undivided numbers."""
+    hf = tiny["hf"]
+    _push_next(server, hf.state_dict())
+    pairs, sampled = _sampled_pairs(server, tiny, T)
+    fast = server.score(pairs, temperature=T)
+    per_token = server.score(pairs, temperature=T, top_k=hf.config.vocab_size)
+    tokens = sum(len(c) for _, c in pairs)
+    assert (fast.engine_requests, per_token.engine_requests) == (len(pairs), tokens)
+    diff = _max_abs_diff(fast.logprobs, per_token.logprobs)
+    print(f"max |per sequence - per token| at T={T}: {diff:.3g} over {tokens} tokens; vs sampled "
+          f"{_max_abs_diff(fast.logprobs, sampled):.3g}")
+    assert diff <= SCORE_ATOL and _max_abs_diff(fast.logprobs, sampled) <= SCORE_ATOL
+    assert _max_abs_diff(fast.logprobs, _hf_scores(hf, pairs, T)) < 2e-3
+    at_one = server.score(pairs, temperature=1.0)
+    assert _max_abs_diff(at_one.logprobs, _hf_scores(hf, pairs, 1.0)) < 2e-3
+    after = server.generate(tiny["prompt_ids"], n=2, max_tokens=8, temperature=1.0)
+    again = [(ids, c.token_ids) for ids, g in zip(tiny["prompt_ids"], after.completions) for c in g]
+    assert _max_abs_diff([c.logprobs for g in after.completions for c in g], _hf_scores(hf, again, 1.0)) < 2e-3
+
+
+@pytest.mark.vllm
+def test_a_score_at_another_temperature_whose_client_hung_up_while_it_waited_holds_nothing_back(server, tiny):
+    """A score at T != 1 needs the engine alone, so it waits for the generate in flight (a writer of
+    the version gate) and holds new requests back meanwhile. Its client hangs up while it waits:
+    the requests it held back go on at once, not when the generate it waited for ends (bug: the
+    gate woke them only when a reader or writer finished), and the engine's logits stay undivided."""
+    _push_next(server, tiny["hf"].state_dict())
+    prompts = tiny["prompt_ids"]
+    busy = {"prompt_token_ids": prompts * 4, "n": 8, "max_tokens": 200, "temperature": 1.0}  # 64 sequences
+    score = {"sequences": [{"prompt_token_ids": prompts[0], "completion_token_ids": [7, 8, 9]}], "temperature": 0.7}
+    with ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        running = pool.submit(lambda: _client(server).request("POST", "/grpo/generate", json_body=busy))
+        while server.load()["requests"] == 0:
+            time.sleep(0.05)
+        with pytest.raises(ServerUnavailableError, match="no answer within"):
+            _client(server).request("POST", "/grpo/score", json_body=score, timeout=1.0, retry=False)
+        t1 = time.monotonic()
+        small = _client(server, timeout_s=60).generate(prompts[:1], n=1, max_tokens=4, temperature=1.0)
+        waited = time.monotonic() - t1
+        # the small one went on beside the long one (before: it waited for the long one to end)
+        assert not running.done(), "the long generate ended first: nothing was tested"
+        running.result(timeout=300)
+        whole = time.monotonic() - t0
+    print(f"a small generate after the hung-up score: {waited:.2f} s, beside a generate of {whole:.2f} s")
+    ids = [(prompts[0], small.completions[0][0].token_ids)]
+    assert _max_abs_diff([small.completions[0][0].logprobs], _hf_scores(tiny["hf"], ids, 1.0)) < 2e-3
+
+
+@pytest.mark.vllm
+def test_a_scaled_score_whose_client_hung_up_lets_the_next_push_through_and_leaves_the_logits_undivided(server, tiny):
+    """A score at T != 1 alone divides the engine's logits by T and holds every other request out
+    while it runs (`with_logits_divided`). Six of the largest such scores at once (they run one after
+    another), every client hanging up after 1 s: the push after them waits for none of the abandoned
+    work (under half of what the six take when answered), and the engine's logits are undivided
+    again (a score at T = 1 and a sample agree with HF's undivided numbers)."""
+    from grpo.serving.client import SCORE_MAX_TOKENS
+
+    hf = tiny["hf"]
+    version = _push_next(server, hf.state_dict())
+    prompt = tiny["prompt_ids"][0]
+    body = {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
+                                                                               for t in range(100)]}
+                          for j in range(SCORE_MAX_TOKENS // 100)], "temperature": 0.7}
+
+    def post(timeout=None) -> str:
+        try:
+            _client(server).request("POST", "/grpo/score", json_body=body, timeout=timeout, retry=False)
+            return "answered"
+        except ServerUnavailableError as e:
+            assert "no answer within" in str(e), e
+            return "hung up"
+
+    def together(k: int, timeout=None) -> list[str]:
+        with ThreadPoolExecutor(k) as pool:
+            return list(pool.map(lambda _: post(timeout), range(k)))
+
+    t0 = time.monotonic()
+    assert together(6) == ["answered"] * 6
+    whole = time.monotonic() - t0
+    outcomes = together(6, timeout=1.0)
+    assert outcomes.count("hung up") >= 3, outcomes
+    t1 = time.monotonic()
+    assert server.push(hf.state_dict(), version + 1, step=version + 1)["version"] == version + 1
+    waited = time.monotonic() - t1
+    print(f"6 scaled scores of {SCORE_MAX_TOKENS} tokens: {whole:.2f} s; a push after hanging up on them: {waited:.2f} s")
+    assert waited < whole / 2, f"the push waited {waited:.1f} s behind abandoned scores of {whole:.1f} s"
+    pairs = [(prompt, [7, 8, 9, 10])]
+    assert _max_abs_diff(server.score(pairs, temperature=1.0).logprobs, _hf_scores(hf, pairs, 1.0)) < 2e-3
+    after = server.generate([prompt], n=2, max_tokens=8, temperature=1.0)
+    again = [(prompt, c.token_ids) for c in after.completions[0]]
+    assert _max_abs_diff([c.logprobs for c in after.completions[0]], _hf_scores(hf, again, 1.0)) < 2e-3
+
+
+@pytest.mark.vllm
+def test_the_load_route_counts_the_engines_requests(server, tiny):
+    """GET /grpo/load: 0 requests on an idle engine; while a generate of 2 prompts x 8 samples runs,
+    its 16 sequences (each sample counts), then 0 again."""
+    assert server.load()["requests"] == 0
+    body = {"prompt_token_ids": tiny["prompt_ids"], "n": 8, "max_tokens": 200, "temperature": 1.0}
+    seen = []
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(lambda: _client(server).request("POST", "/grpo/generate", json_body=body))
+        while not running.done():
+            seen.append(server.load()["requests"])
+            time.sleep(0.02)
+    assert max(seen) == 16 and server.load() == {"requests": 0, "queued_tokens": 0,
+                                                 "weights_version": server.weights_version()}
 
 
 @pytest.mark.vllm

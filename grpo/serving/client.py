@@ -16,13 +16,16 @@ answers (/grpo/health) and takes the token (/version, behind the bearer check); 
 one line that names the URL and what failed. Nothing on the server changes. `death_check` (given by the process supervisor) turns the first failed request to a server
 whose process has died into an immediate ServerUnavailableError with its log tail, instead of a
 minute of retries. (urllib3's Retry has neither a deadline nor a hook for that check, so the
-loop is ours; requests does the transport: pooled connections, streamed uploads, TLS.)
+loop is ours; requests does the transport: pooled connections, streamed uploads, TLS.) A client
+may be called from several threads at once (the asynchronous sampler's calls beside the trainer's
+pushes): each thread has a requests session of its own, since a session is not made for sharing.
 """
 from __future__ import annotations
 
 import json
 import os
 import ssl
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -46,12 +49,17 @@ class Completion:
     logprobs: list[float]  # log alpha(o_i,t | q, o_i,<t): sampled tokens' log-probs, temperature-scaled
     finish_reason: str  # "stop" (eos / stop token) or "length"
     text: str
+    # [[version, start, end], ...]: the weights version that sampled each range of the tokens, from the
+    # engine's stamps (several where an in-flight update swapped the weights under it); None: not reported
+    version_spans: Optional[list[list[int]]] = None
 
 
 @dataclass
 class GenerationResult:
     completions: list[list[Completion]]  # [prompt][sample]
-    weights_version: int  # the pushed version that produced every completion here
+    # the pushed version that produced every completion here (with inflight_updates: the version served
+    # when the call started; each completion's version_spans say which version sampled which token)
+    weights_version: int
     engine: dict = field(default_factory=dict)  # what the engine reports of the batch (a CPU engine: its threads)
 
 
@@ -120,13 +128,19 @@ class InferenceClient:
         self.timeout_s = timeout_s
         self.retry_deadline_s = retry_deadline_s
         self.death_check = death_check  # returns a reason when the server process is known dead
-        self._session = requests.Session()
-        if token:
-            self._session.headers["Authorization"] = f"Bearer {token}"
-        self._session.headers["Accept"] = "application/json"
+        self._headers = {"Accept": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+        self._local = threading.local()  # a session per calling thread
 
     def __repr__(self) -> str:  # never show the token
         return f"InferenceClient({self.url!r})"
+
+    @property
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+            session.headers.update(self._headers)
+        return session
 
     def request(self, method: str, path: str, *, json_body=None, data=None, headers: Optional[dict] = None,
                 timeout: Optional[float] = None, retry: bool = True) -> dict:
@@ -175,22 +189,30 @@ class InferenceClient:
     def weights_version(self) -> int:
         return int(self.request("GET", "/grpo/weights_version")["weights_version"])
 
+    def load(self) -> dict:
+        """What the engine has to do now: {"requests", "queued_tokens", "weights_version"} (one
+        attempt, a short time-out: a fleet asks before each call it routes)."""
+        return self.request("GET", "/grpo/load", timeout=10.0, retry=False)
+
     def reset_weights(self) -> dict:
         """The server serves its model directory again, as version 0 (a run's versions start there)."""
         return self.request("POST", "/grpo/weights/reset")
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
                  top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None,
-                 seed: Optional[int] = None, engine_threads: Optional[int] = None) -> GenerationResult:
+                 seed: Optional[int] = None, engine_threads: Optional[int] = None,
+                 inflight_updates: bool = False) -> GenerationResult:
         """n samples for each prompt (token ids), with the sampled tokens' log-probs. With `seed`,
         the server reseeds its sampler and schedules this batch alone: the same weights, prompts
         and seed give the same samples (how a resumed run repeats the uninterrupted one).
         engine_threads: a CPU engine's OpenMP threads for this batch (None: all it is bound to; see
-        grpo/cpu/cores.py); its kernels round differently with another count."""
+        grpo/cpu/cores.py); its kernels round differently with another count. inflight_updates: a
+        push that keeps requests may swap the weights under this batch (no seed then); each
+        completion's version_spans say which version sampled which token."""
         out = self.request("POST", "/grpo/generate", json_body={
             "prompt_token_ids": [list(map(int, p)) for p in prompt_token_ids], "n": n, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "stop_token_ids": stop_token_ids, "seed": seed,
-            "threads": engine_threads})
+            "threads": engine_threads, "inflight_updates": inflight_updates})
         return GenerationResult(
             completions=[[Completion(**c) for c in per_prompt] for per_prompt in out["completions"]],
             weights_version=int(out["weights_version"]), engine=dict(out.get("engine") or {}))
@@ -210,20 +232,23 @@ class InferenceClient:
                            weights_version=int(out["weights_version"]),
                            engine_requests=int(out["engine_requests"]))
 
-    def push_weights(self, weights_dir: Path, version: int, mode: str = "path") -> dict:
+    def push_weights(self, weights_dir: Path, version: int, mode: str = "path", keep_requests: bool = False) -> dict:
         """Make the server serve `weights_dir` (from write_weights) as `version`: {version, seconds,
         bytes, ...}. path: the server reads the directory (a shared filesystem); bytes: the file goes
-        in the request body and the server writes it under its own root."""
+        in the request body and the server writes it under its own root. keep_requests: the weights
+        are swapped under the in-flight generates that asked for inflight_updates (their later tokens
+        are the new version's) instead of after them."""
         weights_dir = Path(weights_dir).resolve()
         t0 = time.perf_counter()
         if mode == "path":
-            out = self.request("POST", "/grpo/weights", json_body={"path": str(weights_dir), "version": version})
+            out = self.request("POST", "/grpo/weights", json_body={"path": str(weights_dir), "version": version,
+                                                                   "keep_requests": keep_requests})
         elif mode == "bytes":
             manifest = json.loads((weights_dir / MANIFEST_NAME).read_text())
             (entry,) = manifest["files"]  # write_weights writes exactly one file
             algo = manifest["hash"]
             query = urllib.parse.urlencode({"version": version, "step": manifest.get("step", 0), "hash": algo,
-                                            "digest": entry[algo]})
+                                            "digest": entry[algo], "keep_requests": str(keep_requests).lower()})
             out = self.request("POST", f"/grpo/weights/upload?{query}",
                                data=lambda: open(weights_dir / entry["name"], "rb"),
                                headers={"Content-Type": "application/octet-stream",

@@ -12,7 +12,21 @@ started with, and takes no new work (pause_generation, mode "wait") while the we
 push counts as served only once the reset has succeeded, and a reset that fails is a refused push:
 the previous weights are reloaded, as for any other failure (an error the engine raises, or a
 cancellation). A reset to the model directory (version 0) goes the same way: the served version
-changes only once the engine holds its weights with no KV of the others."""
+changes only once the engine holds its weights with no KV of the others.
+
+Every load also labels the engine's weights with their version (vLLM's `update_weight_version`,
+while generation is paused), so each completion says which version sampled which of its tokens
+(`CompletionOutput.weight_versions`, the /grpo/generate reply's `version_spans`).
+
+In-flight updates (a push with keep_requests, rollout.inflight_updates): the requests in flight
+are not finished first but frozen and preempted (vLLM's pause mode "keep" with clear_cache): their
+KV blocks are freed with the whole prefix cache, so the reset that follows the reload succeeds as
+always, and on resume each one computes its prompt and the tokens it has so far again, with the new
+weights, and samples on from there. Every token is then exactly the log-prob of the version that
+sampled it (its prefix all computed by that version), and a completion spans the versions it lived
+through; the cost is one prefill of what was in flight. Requests of the version gate (a plain
+generate, a score, vLLM's own routes) are still waited for: only /grpo/generate's in-flight batches
+ride through a push."""
 import asyncio
 import contextlib
 import json
@@ -45,14 +59,20 @@ def _expected_tensors(model_dir: Path) -> dict[str, tuple[str, list[int]]]:
 
 
 @contextlib.asynccontextmanager
-async def engine_paused(engine):
+async def engine_paused(engine, keep: bool = False):
     """The engine's scheduler paused for the block: what it runs finishes first, on the weights it
-    started with (mode "wait"), and nothing new starts until the block ends. Resumed however the
-    block ends, the pause's own wait included: a handler cancelled while the pause waited (its client
-    hung up) would otherwise leave the scheduler paused, and every later request queued. The resume
-    is shielded, so a second cancellation cannot skip it."""
+    started with (mode "wait"), and nothing new starts until the block ends. keep: what it runs is
+    frozen instead (mode "keep") and preempted with the prefix cache cleared (clear_cache): it holds
+    no KV, and on resume computes its prompt and tokens so far again with the weights then served
+    (in-flight updates: module docstring). Resumed however the block ends, the pause's own wait
+    included: a handler cancelled while the pause waited (its client hung up) would otherwise leave
+    the scheduler paused, and every later request queued. The resume is shielded, so a second
+    cancellation cannot skip it."""
     try:
-        await engine.pause_generation(mode="wait", clear_cache=False)
+        if keep:
+            await engine.pause_generation(mode="keep", clear_cache=True)
+        else:
+            await engine.pause_generation(mode="wait", clear_cache=False)
         yield
     finally:
         await asyncio.shield(engine.resume_generation())
@@ -125,14 +145,22 @@ class WeightsState:
         await self.control.for_reload()
         await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
 
+    async def label_version(self) -> None:
+        """Label the engine's weights with the served version (vLLM's weight version, which stamps
+        every token it samples): at start-up, and by every load while generation is paused."""
+        await self.engine.update_weight_version(str(self.version))
+
     async def _forget_cached_kv(self) -> None:
         """Reset the engine's prefix cache; WeightPushError if it refused (a request holds blocks)."""
         if not await self.engine.reset_prefix_cache():
             raise WeightPushError("the engine could not reset its prefix cache (a request still holds KV blocks): "
                                   "equal prefixes would reuse KV computed with the previous weights")
 
-    async def load(self, manifest: dict[str, Any], hashes_checked: bool) -> dict[str, Any]:
-        """Load a checked directory; on any failure restore the previous weights and raise."""
+    async def load(self, manifest: dict[str, Any], hashes_checked: bool, keep_requests: bool = False
+                   ) -> dict[str, Any]:
+        """Load a checked directory; on any failure restore the previous weights and raise.
+        keep_requests: swap the weights under the requests in flight outside the version gate
+        (in-flight updates, module docstring) instead of letting them finish first."""
         path, version = Path(manifest["path"]), manifest["version"]
         async with self.gate.writing():
             if version == self.version and path == self.serving_dir:
@@ -140,8 +168,9 @@ class WeightsState:
             if version <= self.version:
                 raise WeightPushError(f"version {version} is not newer than the served version {self.version}")
             t0 = time.perf_counter()
-            # What the engine runs now (none of ours: the gate waited for them) ends on the old weights.
-            async with engine_paused(self.engine):
+            # What the engine runs now (none of the gate's: it waited for them) ends on the old weights,
+            # or with keep_requests goes on with the new ones.
+            async with engine_paused(self.engine, keep=keep_requests):
                 return await self._swap(manifest, hashes_checked, t0)
 
     async def reset(self) -> dict[str, Any]:
@@ -155,7 +184,7 @@ class WeightsState:
                 return {"version": 0, "seconds": 0.0, "unchanged": True}
             t0 = time.perf_counter()
             async with engine_paused(self.engine):
-                await self._replace(self.model_dir)
+                await self._replace(self.model_dir, "0")
                 self.version, self.step, self.serving_dir, self.served_digest = 0, 0, self.model_dir, None
                 self.broken = None
                 (self.root / SERVING_MARKER).unlink(missing_ok=True)
@@ -177,7 +206,7 @@ class WeightsState:
             except Exception as e:  # the file vanished or became unreadable
                 raise WeightPushError(f"{path}: could not hash: {type(e).__name__}: {e}") from None
 
-        reload_seconds, hash_seconds = await self._replace(path, verify)
+        reload_seconds, hash_seconds = await self._replace(path, str(version), verify)
         seconds = time.perf_counter() - t0
         self.version, self.step, self.serving_dir = version, manifest.get("step", 0), path
         self.served_digest = manifest["files"][0][manifest["hash"]]
@@ -193,9 +222,10 @@ class WeightsState:
                 "reload_seconds": reload_seconds, "hash_seconds": hash_seconds, "fingerprint": fingerprint,
                 "fingerprint_seconds": fingerprint_seconds}
 
-    async def _replace(self, path: Path, verify: Optional[Callable[[], None]] = None) -> tuple[float, float]:
-        """With the engine paused: load `path` and forget the KV cached under the weights it replaces;
-        (reload seconds, verify seconds). `verify` (a check of the files that raises WeightPushError)
+    async def _replace(self, path: Path, label: str, verify: Optional[Callable[[], None]] = None
+                       ) -> tuple[float, float]:
+        """With the engine paused: load `path`, forget the KV cached under the weights it replaces and
+        label the weights `label` (their version); (reload seconds, verify seconds). `verify` (a check of the files that raises WeightPushError)
         runs in a thread while the engine loads: they overlap. The caller changes the served version
         only after this returns. On any failure, a cancellation included, the weights of the served
         version are loaded again before anything is raised (_restore), so the version the server
@@ -212,6 +242,7 @@ class WeightsState:
                 verify_seconds = await job if job is not None else 0.0  # a failed check is the reason given
             # KV cached under the old weights would be reused for equal prefixes otherwise
             await self._forget_cached_kv()
+            await self.engine.update_weight_version(label)  # the tokens sampled from now on are this version's
         except BaseException as failure:
             await self._restore(failure)
         return reload_seconds, verify_seconds
@@ -229,6 +260,7 @@ class WeightsState:
             reason = f"{type(failure).__name__}: {failure}"
         try:
             await self._reload(self.serving_dir)
+            await self.label_version()  # in case the failure came after the new label
         except BaseException as e:
             self.broken = f"restoring version {self.version} failed after a rejected load: {e}"
             if not isinstance(failure, Exception):

@@ -31,11 +31,20 @@ R on resume, not the same across different R (each engine's random stream covers
 
 A server that dies mid-batch is restarted by its InferenceServer, which re-serves the version it
 held and samples its share again with the same seed; attached servers are not restarted.
+
+Routed calls (the asynchronous sampler, which gave up determinism anyway: grpo/batch_source.py).
+`generate_routed` sends one call whole to the least loaded server, by the load each engine reports
+(GET /grpo/load: its unfinished requests, then the prompt tokens waiting for prefill), the calls
+this fleet has routed there counting as soon as they are sent. The sampler keeps one call in flight
+per server, so a server that finishes first starts the next call at once instead of waiting for
+the slowest share of a batch, and a server busy with other work (an evaluation, another client)
+gets less. The deterministic g mod R split stays for every seeded batch.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -51,7 +60,9 @@ from grpo.serving.inference import InferenceServer, ServerConfig, weights_parent
 metrics.declare("fleet_server*", "time", "with several inference servers (server.replicas or server.urls): "
                 "fleet_server<r>_groups, the batch's groups server r sampled (groups g with g mod R = r), "
                 "fleet_server<r>_seconds, its generate time, and after a probed push fleet_server<r>_parity_*, "
-                "the parity probe scored by server r alone (grpo/parity.py; parity_* are server 0's) "
+                "the parity probe scored by server r alone (grpo/parity.py; parity_* are server 0's); with "
+                "rollout.mode async, fleet_server<r>_share, the fraction of the batch's groups sampled by server r "
+                "(each call routed to the least loaded server) "
                 "([layouts.md](layouts.md#a-fleet-of-servers))")
 
 
@@ -80,6 +91,8 @@ class ServerFleet:
             raise ValueError("a fleet needs at least one server")
         self.servers = list(servers)
         self._split: Optional[str] = None  # why the servers may hold different versions (a push not taken back)
+        self._routing = threading.Lock()
+        self._routed = [0] * len(self.servers)  # engine requests of the routed calls in flight, per server
 
     # -- construction
     @classmethod
@@ -193,6 +206,57 @@ class ServerFleet:
                 engine.update({f"fleet_server{r}_{key}": value for key, value in result.engine.items()})
         version = next(iter(versions.values())) if versions else self.weights_version()
         return GenerationResult(completions, version, engine)
+
+    def generate_routed(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
+                        top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None, seed: Optional[int] = None,
+                        engine_threads: Optional[int] = None, inflight_updates: bool = False) -> GenerationResult:
+        """n samples of every prompt, the whole call on the least loaded server (`least_loaded`); for
+        callers that gave up determinism (the asynchronous sampler: no seed there). With several
+        servers result.engine says which one sampled it: fleet_server<r>_share, 1 for it and 0 for
+        the others (a batch's mean is each server's share of its groups)."""
+        if self._split:
+            raise InferenceServerError(f"the fleet does not sample: {self._split}")
+        requests = len(prompt_token_ids) * n
+        r = self.least_loaded(requests)
+        try:
+            result = self.servers[r].generate(prompt_token_ids, n, max_tokens, temperature, top_p, stop_token_ids,
+                                              seed, engine_threads, inflight_updates)
+        finally:
+            with self._routing:
+                self._routed[r] -= requests
+        if len(self.servers) > 1:
+            result.engine.update({f"fleet_server{s}_share": float(s == r) for s in range(len(self.servers))})
+        return result
+
+    def least_loaded(self, requests: int) -> int:
+        """The server a routed call of `requests` engine requests goes to, counted there until it
+        returns: the least loaded by what its engine reports (InferenceServer.load: unfinished
+        requests, then prompt tokens waiting for prefill), where the requests this fleet has routed
+        there count as soon as they are sent (the engine counts them only once they arrive: two
+        calls routed at once must not both see the same idle server); a server that does not answer
+        comes last (a dead one is restarted by the call that finds it, if none is left); ties go to
+        the lowest index."""
+        if len(self.servers) == 1:
+            loads = [(None, None)]
+        else:
+            loads = self._each(lambda r, s: s.load())
+
+        def key(r: int) -> tuple:
+            load, error = loads[r]
+            if load is None:
+                return (error is not None, self._routed[r], 0, r)
+            return (False, max(int(load["requests"]), self._routed[r]), int(load["queued_tokens"]), r)
+
+        with self._routing:
+            r = min(range(len(self.servers)), key=key)
+            self._routed[r] += requests
+        return r
+
+    def set_inflight_updates(self, on: bool) -> None:
+        """Pushes swap the weights under the generates that asked for inflight_updates (on) or wait
+        for them (off, the default) on every server."""
+        for server in self.servers:
+            server.inflight_updates = on
 
     def score(self, sequences: list[tuple[list[int], list[int]]], temperature: float, top_p: float = 1.0,
               top_k: int = -1) -> ScoreResult:

@@ -1,5 +1,7 @@
-"""HTTP plumbing of the server: the bearer-token check, and the gate that keeps every completion
-on one weights version (a push waits for in-flight requests and holds new ones back)."""
+"""HTTP plumbing of the server: the bearer-token check, and the readers/writer gates of the routes:
+the version gate, which keeps every completion on one weights version (a push waits for in-flight
+requests and holds new ones back), and the same lock where a score needs the engine alone
+(grpo/serving/routes.py)."""
 import asyncio
 import contextlib
 import hashlib
@@ -37,6 +39,8 @@ class VersionGate:
                 await self._cond.wait_for(lambda: not self._writer and self._readers == 0)
             finally:
                 self._writers_waiting -= 1
+                # a writer that gave up waiting (its client hung up) held readers back: wake them
+                self._cond.notify_all()
             self._writer = True
         try:
             yield

@@ -12,7 +12,8 @@ dead server: a launched child that died is restarted, the weights it served re-p
 before the first push: a fresh server serves the model directory as version 0, which is what it
 served), and the request retried (through RESTARTS deaths); a child that dies while it starts is
 started once more. A request the server refuses (4xx) is raised as it is, and a stopped server is
-never started again.
+never started again. Calls may come from several threads at once (the asynchronous sampler's
+beside the trainer's pushes): a death seen by two of them restarts the child once.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import os
 import secrets
 import shutil
 import sys
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -231,6 +233,11 @@ class InferenceServer:
         self.cpu_cores: Optional[list[int]] = None  # a launched CPU engine: the cores its threads are bound to
         self._unseen = None  # pushed tensors the engine's fingerprint cannot show (known after the first push)
         self._server_dir = run_dir / "server"  # a launched child's token, port file and log
+        # pushes swap the weights under the generates that asked for inflight_updates instead of
+        # waiting for them (rollout.inflight_updates; set by grpo.batch_source's asynchronous sampler)
+        self.inflight_updates = False
+        self._restarting = threading.RLock()  # one restart at a time, whichever thread saw the death
+        self._starts = 0  # children started so far: a thread that saw a death restarts only the child it saw
 
     @property
     def url(self) -> str:
@@ -298,10 +305,15 @@ class InferenceServer:
     # -- what the loop asks
     def generate(self, prompt_token_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
                  top_p: float = 1.0, stop_token_ids: Optional[list[int]] = None,
-                 seed: Optional[int] = None, engine_threads: Optional[int] = None) -> GenerationResult:
+                 seed: Optional[int] = None, engine_threads: Optional[int] = None,
+                 inflight_updates: bool = False) -> GenerationResult:
         """client.generate, surviving the death of a launched server (restart, re-serve, retry once)."""
         return self._surviving(lambda: self.client.generate(prompt_token_ids, n, max_tokens, temperature, top_p,
-                                                            stop_token_ids, seed, engine_threads))
+                                                            stop_token_ids, seed, engine_threads, inflight_updates))
+
+    def load(self) -> dict:
+        """The server's load now (client.load): what its engine has to do."""
+        return self.client.load()
 
     def score(self, sequences: list[tuple[list[int], list[int]]], temperature: float, top_p: float = 1.0,
               top_k: int = -1) -> ScoreResult:
@@ -312,17 +324,24 @@ class InferenceServer:
     def _surviving(self, call):
         """call(); if a launched server died under it (before, during or after a push), restart it,
         re-serve what it served, and call again, through up to RESTARTS deaths (one may come during
-        the retry itself). A refusal (4xx) is raised as it is."""
+        the retry itself). A refusal (4xx) is raised as it is. Where another thread restarted the
+        child since this call failed, it is not restarted again: the call is retried on that one."""
+        died = None  # which child this call saw die (its start count)
         for restarts in range(self.RESTARTS + 1):
+            called_on = None
             try:
-                if restarts:
-                    self.restart()  # a death while it re-serves counts as one more
+                if died is not None:
+                    with self._restarting:
+                        if self._starts == died:  # else another thread restarted it already
+                            self.restart()  # a death while it re-serves counts as one more
+                called_on = self._starts
                 return call()
             except StartupTimeout:
                 raise  # a restart that never became healthy: restarting again would wait as long
             except ServerUnavailableError as e:
                 if self._process is None or self._stopped or restarts == self.RESTARTS:
                     raise  # attached: not ours to restart; stopped: the run is ending (a batch sampled ahead)
+                died = self._starts if called_on is None else called_on
                 self._report_restart(e)
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int, step: int) -> dict:
@@ -404,7 +423,7 @@ class InferenceServer:
         return self.client.weights_version()
 
     def _load(self, weights_dir: Path, version: int, mode: str) -> dict:
-        reply = self.client.push_weights(weights_dir, version, mode=mode)
+        reply = self.client.push_weights(weights_dir, version, mode=mode, keep_requests=self.inflight_updates)
         self._served = (weights_dir, version, mode)
         return reply
 
@@ -470,15 +489,17 @@ class InferenceServer:
         """Start the child again on the same port and re-serve what it served (nothing before a push)."""
         if self._process is None:
             raise InferenceServerError("restart: this server was attached by URL, not launched here")
-        self._process.kill()
-        self._start(urllib.parse.urlparse(self.client.url).port or self.cfg.port)
-        if self._served is not None:
-            self._load(*self._served)
+        with self._restarting:
+            self._process.kill()
+            self._start(urllib.parse.urlparse(self.client.url).port or self.cfg.port)
+            if self._served is not None:
+                self._load(*self._served)
 
     def _start(self, port: int) -> None:
         """Start the child and wait for its health; a child that dies while it starts (killed by the
         OOM killer or an operator, at launch or in a restart) is started once more."""
         healthy = lambda url: InferenceClient(url, self._token, retry_deadline_s=1).health()  # noqa: E731
+        self._starts += 1
         try:
             self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
         except StartupTimeout:

@@ -2,15 +2,24 @@
 
   GET  /grpo/health          open; 200 {"ok", "weights_version", "sampler", "dtype", "head_dtype"} or 503 with the reason
   GET  /grpo/weights_version open; {"weights_version", "step", "dir"}
-  POST /grpo/generate        B prompts (token ids) x n samples -> token ids, log-probs, finish reasons
+  GET  /grpo/load            {"requests", "queued_tokens", "weights_version"}: the engine's unfinished
+                             requests and prompt tokens waiting for prefill (a fleet routes by them)
+  POST /grpo/generate        B prompts (token ids) x n samples -> token ids, log-probs, finish reasons,
+                             and each completion's version spans ([[version, start, end], ...])
   POST /grpo/score           (prompt, completion) token ids -> each completion token's log-prob, as sampled
                              (at most SCORE_MAX_TOKENS completion tokens a request: 413 beyond)
-  POST /grpo/weights         {"path", "version"}: load a directory written by the trainer's writer
-  POST /grpo/weights/upload  ?version=&step=&hash=&digest=, body = the safetensors bytes (no shared fs)
+  POST /grpo/weights         {"path", "version", "keep_requests"}: load a directory written by the trainer's writer
+  POST /grpo/weights/upload  ?version=&step=&hash=&digest=&keep_requests=, body = the safetensors bytes (no shared fs)
 
 Each route is one method of `Routes`; what they share is the engine's weights state
 (grpo/serving/engine_weights.py). A generate or score request whose client hangs up is cancelled
 (its engine requests aborted), so it holds neither the engine nor the version gate a push waits on.
+
+Which requests wait for which (readers/writer locks): a push waits for the requests of the version
+gate (a plain generate, a score, vLLM's own routes) and holds new ones back; a generate with
+inflight_updates is outside that gate (a push that keeps requests swaps the weights under it, its
+completions' version spans say where), and a score at T != 1 needs the engine alone (it divides the
+engine's logits by T): it is a writer of the gate and of `alone`, which in-flight generates read.
 """
 import asyncio
 import contextlib
@@ -30,6 +39,7 @@ from pydantic import BaseModel, Field
 from grpo.fsutil import HashError, new_hasher
 from grpo.serving.client import SCORE_MAX_TOKENS
 from grpo.serving.engine_weights import WeightsState, engine_paused
+from grpo.serving.gate import VersionGate
 from grpo.serving.weights_check import check_weights_dir
 from grpo.serving.weights_dir import (MANIFEST_FORMAT, MANIFEST_NAME, WEIGHTS_FILE, WeightPushError, prune_weights,
                                       weights_dir_name)
@@ -49,6 +59,9 @@ class GenerateRequest(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     seed: Optional[int] = None  # reseed the sampler and run this batch alone: reproducible samples
     threads: Optional[int] = Field(None, ge=1)  # a CPU engine's threads for this batch (None: all bound cores)
+    # outside the version gate: a push that keeps requests swaps the weights under this batch, whose
+    # completions then span versions (their version_spans); no seed (the swap point is timing)
+    inflight_updates: bool = False
 
 
 class ScoreSequence(BaseModel):
@@ -66,6 +79,7 @@ class ScoreRequest(BaseModel):
 class PushRequest(BaseModel):
     path: str
     version: int = Field(ge=0)
+    keep_requests: bool = False  # swap the weights under in-flight generates (in-flight updates) instead of after them
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -77,6 +91,17 @@ def push_error(e: WeightPushError) -> JSONResponse:
     return error(409 if "not newer" in str(e) else 400, str(e))
 
 
+def version_spans(completion) -> Optional[list[list[int]]]:
+    """[[version, start, end], ...]: which weights version sampled which of a finished completion's
+    tokens, from the engine's own stamps (vLLM's CompletionOutput.weight_versions: every step's
+    tokens carry the label of the weights that ran it, set by every load while generation is paused).
+    None where the engine reported no label of ours (a label that is not a version number)."""
+    spans = completion.weight_versions
+    if spans is None or not all(s.version.isdigit() for s in spans):
+        return None
+    return [[int(s.version), s.start, s.end] for s in spans]
+
+
 def to_samples(final) -> list[dict]:
     """One request's finished output as the samples the trainer reads."""
     samples = []
@@ -84,7 +109,7 @@ def to_samples(final) -> list[dict]:
         lp = c.logprobs  # FlatLogprobs; with logprobs=0 each position holds the sampled token only
         logprobs = [lp.logprobs[lp.start_indices[t]] for t in range(len(c.token_ids))]
         samples.append({"token_ids": list(c.token_ids), "logprobs": logprobs,
-                        "finish_reason": c.finish_reason, "text": c.text})
+                        "finish_reason": c.finish_reason, "text": c.text, "version_spans": version_spans(c)})
     return samples
 
 
@@ -147,6 +172,17 @@ async def at_most(width: int, calls: list) -> list:
     return results
 
 
+async def to_the_end(coro) -> None:
+    """await coro, which runs to its end even if this is cancelled (then CancelledError after it):
+    what must be undone before a lock is let go."""
+    task = asyncio.ensure_future(coro)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
+
+
 class ClientGone(Exception):
     """The client of a request hung up before its answer was ready."""
 
@@ -184,6 +220,9 @@ class Routes:
         self.max_model_len = max_model_len
         self.upload_timeout_s = upload_timeout_s
         self.seeded_lock = asyncio.Lock()  # one seeded batch at a time: reseeding is engine-global
+        # in-flight generates read it (they are outside the version gate); a score that scales the
+        # engine's logits writes it: nothing else may run on the engine meanwhile
+        self.alone = VersionGate()
         # a score's engine requests in flight at once: twice what the scheduler batches, so it never waits for one
         self.score_window = 2 * state.engine.vllm_config.scheduler_config.max_num_seqs
         self.uploading: set[int] = set()  # versions whose upload is in flight
@@ -192,6 +231,7 @@ class Routes:
         router = APIRouter()
         router.add_api_route("/grpo/health", self.health, methods=["GET"])
         router.add_api_route("/grpo/weights_version", self.weights_version, methods=["GET"])
+        router.add_api_route("/grpo/load", self.load, methods=["GET"])
         router.add_api_route("/grpo/generate", self.generate, methods=["POST"])
         router.add_api_route("/grpo/score", self.score, methods=["POST"])
         router.add_api_route("/grpo/weights", self.push_path, methods=["POST"])
@@ -211,6 +251,13 @@ class Routes:
 
     async def weights_version(self):
         return {"weights_version": self.state.version, "step": self.state.step, "dir": self.state.serving_dir.name}
+
+    async def load(self):
+        """What the engine has to do now, from its own counts (cheap: no engine call): requests not
+        finished (each sample of an n > 1 request counts) and the prompt tokens of those still in
+        prefill. A fleet sends the next call to the least loaded server (grpo/serving/fleet.py)."""
+        return {"requests": self.engine.get_num_unfinished_requests(),
+                "queued_tokens": self.engine.get_num_queued_tokens(), "weights_version": self.state.version}
 
     # -- generation
     def refuse_ids(self, where: str, ids: list[int], empty: str = "is empty") -> Optional[str]:
@@ -247,8 +294,14 @@ class Routes:
             )
         except ValueError as e:  # e.g. n > 1 with temperature 0
             return error(400, str(e))
-        version, completions = await self.on_one_version(
-            lambda: self.seeded_batch(req, params) if req.seed is not None else self.batch(req, params), request)
+        if req.inflight_updates:
+            if req.seed is not None:
+                return error(400, "seed: a batch with inflight_updates is not reproducible (where a push swaps the "
+                                  "weights under it is timing); send no seed")
+            version, completions = await self.beside_pushes(lambda: self.batch(req, params), request)
+        else:
+            version, completions = await self.on_one_version(
+                lambda: self.seeded_batch(req, params) if req.seed is not None else self.batch(req, params), request)
         if isinstance(completions, JSONResponse):
             return completions
         return {"completions": completions, "weights_version": version, "engine": self.control.batch_figures()}
@@ -260,16 +313,50 @@ class Routes:
         that hung up (version, a 499 reply nobody reads: its work was cancelled, the gate let go)."""
         async with self.state.gate.reading():
             version = self.state.version  # fixed while we read: a push waits for us
-            try:
-                return version, await unless_client_gone(request, work())
-            except ClientGone:
-                return version, error(499, "the client closed the connection; its request was stopped")
-            except ValueError as e:
-                return version, error(400, str(e))
-            except Exception as e:
-                if self.engine.errored:
-                    return version, error(503, f"the vLLM engine died: {type(e).__name__}: {e}")
-                raise
+            return version, await self.answered(work(), request)
+
+    async def beside_pushes(self, work, request: Optional[Request] = None) -> tuple[int, object]:
+        """(the weights version when it started, await work()) outside the push gate: a push that
+        keeps requests swaps the weights under `work` (one that does not waits for it in the engine:
+        engine_weights.py); only a score that scales the engine's logits waits for it (`alone`).
+        Errors as on_one_version."""
+        async with self.alone.reading():
+            return self.state.version, await self.answered(work(), request)
+
+    async def with_logits_divided(self, temperature: float, work, request: Optional[Request] = None
+                                  ) -> tuple[int, object]:
+        """(the weights version, await work()) with the engine's logits divided by `temperature`
+        (worker_ext.grpo_score_temperature) and nothing else on the engine: the gate's write side (no
+        push, plain generate, score or vLLM route runs) and `alone`'s (no in-flight generate), then
+        the engine drained of anything else it still runs (mode "wait"; a request whose handler is
+        gone) before the scale is set. The scale is set back to 1 before either lock is let go,
+        however `work` ends: a client that hangs up while it waits for the locks, or while it runs,
+        leaves the engine as it was. Errors as on_one_version."""
+        async def alone():
+            async with self.state.gate.writing(), self.alone.writing():
+                async with engine_paused(self.engine):
+                    await self.engine.collective_rpc("grpo_score_temperature", args=(temperature,))
+                try:
+                    return self.state.version, await work()
+                finally:
+                    await to_the_end(self.engine.collective_rpc("grpo_score_temperature", args=(1.0,)))
+
+        answer = await self.answered(alone(), request)
+        return answer if isinstance(answer, tuple) else (self.state.version, answer)
+
+    async def answered(self, work, request: Optional[Request]):
+        """await work, cancelled when the client hangs up; what the engine or the client did wrong
+        as a reply (400 refused, 503 the engine died, 499 the client left)."""
+        try:
+            return await unless_client_gone(request, work)
+        except ClientGone:
+            return error(499, "the client closed the connection; its request was stopped")
+        except ValueError as e:
+            return error(400, str(e))
+        except Exception as e:
+            if self.engine.errored:
+                return error(503, f"the vLLM engine died: {type(e).__name__}: {e}")
+            raise
 
     async def batch(self, req: GenerateRequest, params) -> list[list[dict]]:
         """The prompts as independent requests, interleaved with any others."""
@@ -326,8 +413,12 @@ class Routes:
         At T = 1 without top-k/top-p the sampler's processing is the identity (a division by 1 is
         exact, nothing is filtered), so its log-probs are the model's log-softmax, which the engine
         gives for every prompt position of one request: a sequence per request (`whole_sequence`).
-        Otherwise the sampler is the only place that applies T, top-k and top-p (prompt_logprobs
-        are raw log-softmax), so each position is one request (`one_position`).
+        At another T > 0 without top-k/top-p the same requests run at T = 1 with the engine's logits
+        divided by T as the sampler divides them (`with_logits_divided`: the engine runs nothing
+        else meanwhile), so every position is log softmax(logits / T), the sampler's number: still
+        a sequence per request. With top-k or top-p (or T = 0) the sampler is the only place that
+        applies them (prompt_logprobs are raw log-softmax), so each position is one request
+        (`one_position`).
 
         The requests go to the engine score_window at a time, and a score that stops (its client
         hung up, or a request failed) aborts those in the engine in one call: the engine is free
@@ -342,14 +433,16 @@ class Routes:
         refused = self.refuse_sequences(req)
         if refused:
             return error(400, refused)
-        common = dict(max_tokens=1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                      flat_logprobs=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        # below vLLM's _SAMPLING_EPS (1e-5) the sampler is greedy and its log-probs unscaled: per token, as sampled
+        per_sequence = req.temperature >= 1e-5 and req.top_p == 1.0 and req.top_k <= 0
+        scaled = per_sequence and req.temperature != 1.0  # the engine's logits divided by T, requests at T = 1
+        common = dict(max_tokens=1, temperature=1.0 if scaled else req.temperature, top_p=req.top_p,
+                      top_k=req.top_k, flat_logprobs=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         try:
             SamplingParams(**common, logprob_token_ids=[0])  # a bad top_k etc. is the client's error, once
         except ValueError as e:
             return error(400, str(e))
         base = uuid.uuid4().hex
-        per_sequence = req.temperature == 1.0 and req.top_p == 1.0 and req.top_k <= 0
         outstanding = set()  # this score's requests added and not finished: aborted in one call if it stops
 
         async def finished(key: str, prompt: list[int], params):
@@ -399,7 +492,10 @@ class Routes:
                 k += len(seq.completion_token_ids)
             return out
 
-        version, logprobs = await self.on_one_version(every_position, request)
+        if scaled:
+            version, logprobs = await self.with_logits_divided(req.temperature, every_position, request)
+        else:
+            version, logprobs = await self.on_one_version(every_position, request)
         if isinstance(logprobs, JSONResponse):
             return logprobs
         requests = len(req.sequences) if per_sequence else sum(len(s.completion_token_ids) for s in req.sequences)
@@ -412,11 +508,12 @@ class Routes:
             if manifest["version"] != req.version:
                 raise WeightPushError(f"{req.path}: manifest says version {manifest['version']}, push says {req.version}")
             self.state.check_tensors(manifest)
-            return await self.state.load(manifest, hashes_checked=False)
+            return await self.state.load(manifest, hashes_checked=False, keep_requests=req.keep_requests)
         except WeightPushError as e:
             return push_error(e)
 
-    async def push_bytes(self, request: Request, version: int, digest: str, step: int = 0, hash: str = "sha256"):
+    async def push_bytes(self, request: Request, version: int, digest: str, step: int = 0, hash: str = "sha256",
+                         keep_requests: bool = False):
         """The safetensors file in the body; written under the root (hashed as it arrives), then loaded."""
         state = self.state
         try:
@@ -460,7 +557,7 @@ class Routes:
             renamed = True
             manifest = check_weights_dir(final, state.root)
             state.check_tensors(manifest)
-            result = await state.load(manifest, hashes_checked=True)
+            result = await state.load(manifest, hashes_checked=True, keep_requests=keep_requests)
             prune_weights(state.root, state.keep_last)  # this server owns uploaded directories
             return result
         except WeightPushError as e:

@@ -22,7 +22,10 @@ weights load only from directories under --weights-root that pass grpo/serving/w
 
 Consistency: a push takes a write lock that waits for in-flight requests and holds new ones
 back (they wait, they do not fail), so every completion comes from one weights_version
-(grpo/serving/engine_weights.py).
+(grpo/serving/engine_weights.py); each completion's version_spans say so, from the engine's own
+stamps. A generate that asks for in-flight updates is the exception: a push that keeps requests
+swaps the weights under it, and its completions' version_spans say which version sampled which
+token.
 
 No orphans: every process vLLM starts for its engine (the engine core, tensor-parallel workers),
 by fork or by spawn, whichever executor vLLM picks, dies with this server (`engine_processes_die_with_server`).
@@ -254,6 +257,7 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
         print(f"[grpo.server] sampler: {control.sampler}; LM head in {engine.model_config.head_dtype}", flush=True)
         state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last,
                              dtype=serving_dtype_name(engine.model_config.dtype), control=control)
+        await state.label_version()  # the tokens sampled from the model directory are version 0's
         routes = Routes(state, engine.model_config.get_vocab_size(), engine.model_config.max_model_len,
                         ns.upload_timeout_s)
         app.include_router(routes.router())

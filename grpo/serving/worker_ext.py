@@ -6,6 +6,10 @@ per-request seed. Per-request seeds would be the usual way, but they kill the CP
 ("CPU Generator does not use offset"); reseeding right before a batch that the server schedules
 as a whole makes each training batch's samples a function of (weights, prompts, seed), so a
 resumed run samples exactly what the uninterrupted run sampled.
+
+`grpo_score_temperature(T)` divides the model's logits by T until it is called with 1: a score at
+T != 1 (grpo/serving/routes.py) then reads log softmax(logits / T) from the prompt log-probs of
+one request per sequence, which vLLM computes from the raw logits (no temperature) otherwise.
 """
 import random
 
@@ -20,6 +24,34 @@ class GRPOWorkerExtension(CPUWorkerMethods):
         random.seed(seed)
         np.random.seed(seed % (2**32))
         torch.manual_seed(seed)
+
+    def grpo_score_temperature(self, temperature: float) -> float:
+        """From the next engine step on, the model's logits come out divided by `temperature` (1:
+        as the model computes them), at every position: the prompt positions, whose log-probs vLLM
+        takes from these logits with no temperature of its own, and the sampled ones. The division
+        is the sampler's own (fp32 logits, `div_` by an fp32 tensor: vllm/v1/sample/sampler.py,
+        apply_temperature), so a request at temperature 1 then gets the numbers a request at
+        `temperature` gets from the sampler. Engine-global: the caller runs nothing else meanwhile
+        (routes.py holds every other request out). Installed once per model, as a wrapper of its
+        compute_logits, which both of vLLM's model runners call outside any captured graph (and
+        which a weight reload, copying into the same parameters, leaves in place)."""
+        import torch
+
+        model = self.model_runner.get_model()
+        if not hasattr(model, "_grpo_logits_temperature"):
+            unscaled = model.compute_logits
+
+            def compute_logits(*args, **kwargs):
+                logits = unscaled(*args, **kwargs)
+                temperature = model._grpo_logits_temperature
+                if logits is None or temperature == 1.0:  # None: a tensor-parallel rank the logits are not gathered on
+                    return logits
+                return logits.to(torch.float32).div_(
+                    torch.full((1, 1), temperature, dtype=torch.float32, device=logits.device))
+
+            model.compute_logits = compute_logits
+        model._grpo_logits_temperature = float(temperature)
+        return model._grpo_logits_temperature
 
     def grpo_weights_fingerprint(self) -> dict:
         """What the engine holds now, per parameter: (numel, sum, sum of squares), computed
