@@ -211,10 +211,13 @@ def test_a_routed_call_goes_to_the_least_loaded_server_and_two_at_once_to_both(f
     assert fleet._routed == [0, 0]  # every routed call counted back out
 
 
-@pytest.fixture
-def hand_started(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def hand_started(tiny, tmp_path_factory):
     """Two servers started by hand with one token, as docs/layouts.md starts them ("Two servers on
-    one machine, by hand"): a run attaches to them (server.urls) and they outlive its attempts."""
+    one machine, by hand"): a run attaches to them (server.urls) and they outlive its attempts. One
+    pair for the module: each run resets them to their model directory as it starts, whatever an
+    earlier test's run left them serving (the resume test below checks that reset)."""
+    tmp_path = tmp_path_factory.mktemp("hand_started")
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe(24) + "\n")
     token.chmod(0o600)
@@ -295,9 +298,9 @@ def test_a_resume_on_attached_servers_that_served_past_the_checkpoint_is_exact(t
 @pytest.mark.vllm
 def test_an_asynchronous_run_on_two_servers_routes_calls_to_both_and_trains_on_sequences_spanning_pushes(
         tiny, hand_started, tmp_path):
-    """rollout.mode async with rollout.inflight_updates on two attached servers (~3 min here: the two
-    servers start for this test, ~45 s, then a 4-step run of 128-token completions, long enough to be
-    in flight at pushes; one run covers both items): a sampler thread per server, each call routed
+    """rollout.mode async with rollout.inflight_updates on two attached servers (Over 60 s: a 4-step
+    run of 128-token completions, long enough to be in flight at pushes, on the servers the resume
+    test above started; one run covers both items): a sampler thread per server, each call routed
     to the least loaded one, and pushes that swap the weights under the calls in flight. Both servers
     sample (fleet_server<r>_share), some recorded sequences span two versions (the spans tile their
     tokens from their weights_version on), async_spanning_frac is the recorded fraction, and the
