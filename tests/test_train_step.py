@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
+from fsdp_step_worker import CASE_TIMEOUT_S, fixed_batch
 from grpo import objective as O
 from grpo.models import load_model
-from fsdp_step_worker import CASE_TIMEOUT_S, fixed_batch
 from tiny_models import make_tiny_model_dir
 
 # Every test here reads steps that train.py's own functions took under torchrun (the launches below).

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_METHODS = ("grpo_reseed", "grpo_weights_fingerprint", "grpo_freeze_heap")
+GPU_METHODS = ("grpo_reseed", "grpo_weights_fingerprint", "grpo_freeze_heap", "grpo_score_temperature")
 
 
 def _source(module: str) -> ast.Module:
