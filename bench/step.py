@@ -17,7 +17,7 @@ i=1, no eval. Three settings, each M iterations:
                against lag0-apart's, and against generate + train and max(generate, train) as each
                run measured them (the overlap's gain, and how close it comes to the ideal).
 Per setting, the mean over iterations 2..M (the first pays one-off start-up and cannot overlap) of
-generate / wait / reward / train / push seconds, the iteration's wall seconds (time_iteration),
+generate / wait / reward / train / push / parity-probe seconds, the iteration's wall seconds (time_iteration),
 and seconds per 1000 completion tokens and per 1000 trained tokens (so runs whose batches differ
 compare: the core split samples on other thread counts, hence other batches, and eq. 8 masking
 makes the tokens trained depend on the rewards).
@@ -64,7 +64,9 @@ TASKS = {
               "objective.mask_zero_variance=false", "optim.token_budget=2048"],
 }
 PARTS = {"generate": "time_generate", "wait": "time_wait_generate", "reward": "time_reward", "train": "time_train",
-         "push": "time_sync", "iteration": "time_iteration"}
+         "push": "time_sync", "parity": "time_parity", "iteration": "time_iteration"}
+# a part an iteration may not have (the parity probe runs after the pushes parity.every picks): 0 there
+OPTIONAL_PARTS = ("parity",)
 
 
 def run(model_dir: Path, name: str, out_dir: Path, iterations: int, extra: list[str], params: int) -> dict:
@@ -87,7 +89,8 @@ def run(model_dir: Path, name: str, out_dir: Path, iterations: int, extra: list[
     rows = [r for r in rows if "time_train" in r][1:]  # the first iteration pays start-up
     if not rows:
         raise SystemExit("bench/step.py: --iterations must be >= 2 (the first is left out)")
-    mean = {part: sum(r[key] for r in rows) / len(rows) for part, key in PARTS.items()}
+    mean = {part: sum(r.get(key, 0.0) if part in OPTIONAL_PARTS else r[key] for r in rows) / len(rows)
+            for part, key in PARTS.items()}
     completion_tokens = sum(r["completion_len_mean"] for r in rows) / len(rows) * 64
     train_tokens = sum(r["train_tokens"] for r in rows) / len(rows)
     padded = sum(r["train_padded_tokens"] for r in rows) / len(rows)
@@ -150,6 +153,8 @@ def main() -> None:
         summary["lag1_over_max_generate_train"] = round(
             lag1["iteration_s"] / max(lag1["generate_s"] + lag1["reward_s"], lag1["train_s"]), 3)
         summary["overlap_gain"] = round((lag1["generate_s"] + lag1["reward_s"] + lag1["train_s"]) / lag1["iteration_s"], 3)
+    for name, r in results.items():  # the parity probe's share of an iteration (issue target: <= 5%)
+        summary[f"{name}_parity_over_iteration"] = round(r["parity_s"] / r["iteration_s"], 3)
     if "v10" in results and "v10-ahead-unsplit" in results:
         ratio = results["v10-ahead-unsplit"]["iteration_s"] / results["v10"]["iteration_s"]
         summary["v10_ahead_unsplit_over_v10_seconds_per_iteration"] = round(ratio, 3)
