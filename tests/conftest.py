@@ -62,7 +62,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The suite's budget (README, "Tests"): a test whose set-up and call take over SLOW_S seconds says
-# why in its docstring, or in the docstring of a fixture it uses, with the words "Over 60 s".
+# why in its docstring, or in the docstring of a fixture it uses, with the words "over 60 s" (any case).
 # The run ends by naming each test over it that does not (a list, not a failure: a loaded machine
 # is slower, and the budget is a reading of CI's run, not a bound every machine must meet).
 SLOW_S = 60.0
@@ -74,7 +74,7 @@ def says_why_slow(item) -> bool:
     docs = [getattr(item, "obj", None).__doc__ or ""]
     for defs in item._fixtureinfo.name2fixturedefs.values():
         docs += [d.func.__doc__ or "" for d in defs]
-    return any("Over 60 s" in doc for doc in docs)
+    return any("over 60 s" in doc.lower() for doc in docs)
 
 
 @__import__("pytest").hookimpl(hookwrapper=True)

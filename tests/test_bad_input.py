@@ -86,6 +86,8 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
 
 @pytest.mark.torchrun
 def test_each_bad_input_is_one_line_and_exit_2(model_dir, tmp_path):
+    """Each bad input to train.py is one line naming it and exit 2, with no traceback. Over 60 s:
+    train.py runs as a process per case (its imports each time)."""
     (tmp_path / "empty_model").mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf_home")}

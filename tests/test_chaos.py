@@ -21,7 +21,8 @@ import chaos_soak  # noqa: E402
 
 @pytest.mark.vllm
 def test_the_short_soak_ends_as_the_uninterrupted_run(tmp_path):
-    """CI's soak: rank 1 SIGKILLed while the first checkpoint is written (so --resume starts from
+    """Over 60 s: a 2-rank training and its faulted twin (~4 min on 2 cores), each attempt starting
+    its own server. CI's soak: rank 1 SIGKILLed while the first checkpoint is written (so --resume starts from
     step 0), the server SIGKILLed right after that resume, its engine SIGKILLed during a generation.
     Every step, sample table, recorded batch and the final model equal the uninterrupted run's, each
     step once; no process, temporary file or weights root is left. Over a minute (~4 min on 2 cores):

@@ -37,6 +37,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
+    """The module's engine. Over 60 s for the first test that asks: an engine start on 2 cores."""
     run_dir = tmp_path_factory.mktemp("server-run")
     with InferenceServer.launch(tiny_model, ServerConfig(dtype="float32"), run_dir) as s:
         s.token_file = run_dir / "server" / "token"  # eval.py attaches with it

