@@ -53,8 +53,8 @@ sys.path.insert(0, str(ROOT))
 SETTINGS = {"v1": ["grpo.v=1"], "v10": ["grpo.v=10", "grpo.sample_ahead=false"],
             "v10-ahead": ["grpo.v=10", "grpo.sample_ahead=true"],
             "v10-ahead-unsplit": ["grpo.v=10", "grpo.sample_ahead=true", "cpu.split_cores=false"],
-            "lag0-apart": ["grpo.v=1", "grpo.lag=0", "cpu.engine_cores=0"],
-            "lag1-apart": ["grpo.v=1", "grpo.lag=1", "cpu.engine_cores=0"]}
+            "lag0-apart": ["grpo.v=1", "grpo.lag=0", "cpu.engine_cores='0'"],  # quoted: a core list, not the number 0
+            "lag1-apart": ["grpo.v=1", "grpo.lag=1", "cpu.engine_cores='0'"]}
 # the settings that put the trainer on a core of its own (the engine's is cpu.engine_cores=0)
 APART = {"lag0-apart", "lag1-apart"}
 TASKS = {

@@ -150,6 +150,8 @@ def _parse_override_value(text: str, item: str) -> Any:
     except yaml.YAMLError as e:
         raise yaml_error(f"command line: {item}", e, columns_only=True) from None
     if isinstance(value, str):
+        if text.strip()[:1] in ("'", '"'):
+            return value  # quoted: the text the user wrote, even where it reads as a number ('0', "1e-6")
         try:
             return float(value) if value.strip().lower() not in ("nan", "inf", "-inf") else value
         except ValueError:

@@ -48,6 +48,14 @@ def test_override_scientific_and_null():
     assert data == {"a": {"lr": 1e-6, "cap": None, "flag": True, "s": "hello"}}
 
 
+def test_a_quoted_override_stays_a_string():
+    """A core list of one core ("0") or any number meant as text is quoted on the command line, as in
+    YAML. The unquoted-1e-6 reading turned it into 0.0, so `cpu.engine_cores='0'` was refused
+    ("expected a string, got 0.0") and one core could not be named from the command line."""
+    data = apply_overrides({}, ["a.cores='0'", 'a.name="1e-6"', "a.lr=1e-6", "a.n=3"])
+    assert data == {"a": {"cores": "0", "name": "1e-6", "lr": 1e-6, "n": 3}}
+
+
 @pytest.mark.parametrize(
     "text,overrides,expected",
     [
