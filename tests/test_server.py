@@ -304,30 +304,14 @@ def test_a_score_whose_client_hung_up_stops_and_lets_the_next_push_through(serve
     prompt = tiny["prompt_ids"][0]
     # The largest request allowed scores in under a second on a free 2-core machine, so the work to
     # abandon is k of them at once, k grown until they take more than 4 s together.
-    body = {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
-                                                                               for t in range(100)]}
-                          for j in range(SCORE_MAX_TOKENS // 100)], "temperature": 1.0}
-
-    def post(timeout=None) -> str:
-        """One request through a client of its own (a requests session is not shared between threads)."""
-        client = InferenceClient(server.client.url, server._token)
-        try:
-            client.request("POST", "/grpo/score", json_body=body, timeout=timeout, retry=False)
-            return "answered"
-        except ServerUnavailableError as e:
-            assert "no answer within" in str(e), e
-            return "hung up"
-
-    def together(k: int, timeout=None) -> list[str]:
-        with ThreadPoolExecutor(k) as pool:
-            return list(pool.map(lambda _: post(timeout), range(k)))
+    together = _largest_scores_together(server, prompt, temperature=1.0)
 
     def timed(k: int) -> float:
         t0 = time.monotonic()
         assert together(k) == ["answered"] * k
         return time.monotonic() - t0
 
-    post()  # after a push the first request is slower
+    together(1)  # after a push the first request is slower
     k = 1
     while True:
         # What the requests take when their clients wait: the faster of two tries, since one try can
@@ -1333,6 +1317,31 @@ def _client(server, **kwargs) -> InferenceClient:
     return InferenceClient(server.client.url, server._token, **kwargs)
 
 
+def _largest_scores_together(server, prompt, temperature: float):
+    """together(k, timeout): k of the largest /grpo/score requests allowed (SCORE_MAX_TOKENS) sent at
+    once, each through a client of its own (a requests session is not shared between threads);
+    each request's outcome, "answered" or "hung up" (its client gave up after `timeout`)."""
+    from grpo.serving.client import SCORE_MAX_TOKENS
+
+    body = {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
+                                                                               for t in range(100)]}
+                          for j in range(SCORE_MAX_TOKENS // 100)], "temperature": temperature}
+
+    def post(timeout=None) -> str:
+        try:
+            _client(server).request("POST", "/grpo/score", json_body=body, timeout=timeout, retry=False)
+            return "answered"
+        except ServerUnavailableError as e:
+            assert "no answer within" in str(e), e
+            return "hung up"
+
+    def together(k: int, timeout=None) -> list[str]:
+        with ThreadPoolExecutor(k) as pool:
+            return list(pool.map(lambda _: post(timeout), range(k)))
+
+    return together
+
+
 def _loaded(server, version: int, state_dict: dict, keep_requests: bool) -> dict:
     """The second half of a push (server.push writes first): the server loads an already written
     version, swapping the weights under in-flight generates when keep_requests."""
@@ -1499,21 +1508,7 @@ def test_a_scaled_score_whose_client_hung_up_lets_the_next_push_through_and_leav
     hf = tiny["hf"]
     version = _push_next(server, hf.state_dict())
     prompt = tiny["prompt_ids"][0]
-    body = {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
-                                                                               for t in range(100)]}
-                          for j in range(SCORE_MAX_TOKENS // 100)], "temperature": 0.7}
-
-    def post(timeout=None) -> str:
-        try:
-            _client(server).request("POST", "/grpo/score", json_body=body, timeout=timeout, retry=False)
-            return "answered"
-        except ServerUnavailableError as e:
-            assert "no answer within" in str(e), e
-            return "hung up"
-
-    def together(k: int, timeout=None) -> list[str]:
-        with ThreadPoolExecutor(k) as pool:
-            return list(pool.map(lambda _: post(timeout), range(k)))
+    together = _largest_scores_together(server, prompt, temperature=0.7)
 
     t0 = time.monotonic()
     assert together(6) == ["answered"] * 6
