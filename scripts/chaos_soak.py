@@ -436,7 +436,7 @@ class Soak:
                 if attempt.proc.returncode == 0:
                     break
                 self.problems.append(f"attempt {attempt.index} ended (exit {attempt.proc.returncode}) with no fault: "
-                                     f"{tail(attempt.log_text())}")
+                                     f"{failure_cause(attempt.log_text())}")
                 self.reap(attempt)
                 if len(self.attempts) > len(self.faults) + 3:
                     raise SystemExit(f"[soak] the run fails on its own: see {attempt.log_path}")
@@ -577,7 +577,7 @@ class Soak:
             if attempt.proc.returncode == 0:
                 return
             self.problems.append(f"attempt {attempt.index} ended with exit {attempt.proc.returncode} with no "
-                                 f"fault: {tail(attempt.log_text())}")
+                                 f"fault: {failure_cause(attempt.log_text())}")
             if len(self.attempts) > len(self.faults) + 3:
                 raise SystemExit(f"[soak] the run fails on its own: see {attempt.log_path}")
             attempt = self.launch()
@@ -779,6 +779,21 @@ def digest(path: Path) -> str:
 
 def tail(text: str, lines: int = 3) -> str:
     return " | ".join(line.strip()[:200] for line in text.splitlines()[-lines:])
+
+
+# an exception's last line ("grpo.serving.client.InferenceServerError: POST ... HTTP 400: ...", with
+# torchrun's "[rank0]:" prefix or without) or the loop's own one-line error
+EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(Error|Exception|Timeout)\b: .*|\[train\] error: .*)$")
+
+
+def failure_cause(log: str) -> str:
+    """Why an attempt failed, from its log: its ranks' last exception line and the rank torchrun
+    names first, not torchrun's closing banner ("error_file: <N/A> | traceback : To enable ...")."""
+    causes = [line.strip() for line in log.splitlines()
+              if EXCEPTION_LINE.match(line.strip()) and "ChildFailedError" not in line]
+    rank = torchrun_root_cause(log)
+    first = f"rank {rank} failed first: " if rank is not None else ""
+    return f"{first}{causes[-1][:600]}" if causes else tail(log)
 
 
 def main(argv=None) -> int:

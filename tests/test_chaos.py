@@ -161,3 +161,32 @@ def test_a_process_that_exits_while_the_tree_is_walked_is_not_known_without_a_ro
             except ProcessLookupError:
                 pass
         attempt.proc.wait()
+
+
+def test_an_attempt_that_fails_on_its_own_is_reported_by_its_exception_not_torchruns_banner():
+    """CI's soak once ended with "attempt 1 ended with exit 1 with no fault: error_file: <N/A> |
+    traceback : To enable traceback see: ... | =====": torchrun's closing banner, the last three
+    lines of the log, said nothing of why. The problem line now carries the failing rank's own last
+    exception line and the rank torchrun names first."""
+    log = "\n".join([
+        "[grpo] inference server failed (...); restarting it, nothing pushed yet, so no re-push",
+        "Traceback (most recent call last):",
+        '  File "train.py", line 767, in main',
+        "grpo.serving.client.InferenceServerError: POST http://127.0.0.1:1/grpo/weights/upload: HTTP 400: "
+        "engine failed to load it: EngineDeadError",
+        "E1127 10:00:00.000000 1 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 1)",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "============================================================",
+        "train.py FAILED",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  time      : 2026-11-27_10:00:00",
+        "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : 1 (pid: 1)",
+        "  error_file: <N/A>",
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+        "============================================================"])
+    assert chaos_soak.failure_cause(log) == (
+        "rank 0 failed first: grpo.serving.client.InferenceServerError: POST http://127.0.0.1:1/grpo/weights/upload: "
+        "HTTP 400: engine failed to load it: EngineDeadError")
+    assert chaos_soak.failure_cause("one\ntwo\nthree\nfour") == "two | three | four"  # nothing better: its last lines
