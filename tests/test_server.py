@@ -728,6 +728,43 @@ def test_killed_server_gives_clear_error_and_generate_restarts_it(server, tiny):
     assert server.pid != old_pid and server.is_alive() and server.weights_version() == version
 
 
+@contextlib.contextmanager
+def _server_held_open(tiny, tmp_path, pause_at: str, pause_s: float = 20.0):
+    """grpo.serving.server under tests/serving_starts_late.py, its window `pause_at` held open:
+    yields (the process, the file it writes when the engine is up, its log); never left behind."""
+    from grpo.cpu.serving import KV_CACHE_ENV
+    from grpo.serving.server import TOKEN_ENV
+
+    up = tmp_path / "engine_up"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the engine's processes import grpo
+    cmd = [sys.executable, os.path.join(root, "tests", "serving_starts_late.py"), "--model", str(tiny["model_dir"]),
+           "--weights-root", str(tmp_path / "weights"), "--port-file", str(tmp_path / "port"), "--dtype", "float32",
+           "--max-model-len", "256", "--enforce-eager"]
+    # a 1 GiB KV cache, as every CPU server the trainer launches has (grpo.cpu.serving.engine_env): without
+    # it vLLM asks for 85% of the machine's memory, and failed to start beside another worker's engine
+    env = {**os.environ, TOKEN_ENV: "t" * 32, "ENGINE_UP_FILE": str(up), "PYTHONPATH": root, KV_CACHE_ENV: "1",
+           "PAUSE_AT": pause_at, "PAUSE_S": str(pause_s)}
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not up.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert up.is_file(), (tmp_path / "server.log").read_text()[-3000:]
+        yield proc, tmp_path / "server.log"
+    finally:
+        if group_alive(proc.pid):  # whatever happened, no server left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _kill_the_engine(proc) -> None:
+    import psutil
+
+    engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    assert len(engines) == 1, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+    engines[0].kill()
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("pause_at", ["http", "client"])
 def test_a_server_whose_engine_dies_while_it_starts_exits_at_once(tiny, tmp_path, pause_at):
@@ -739,36 +776,63 @@ def test_a_server_whose_engine_dies_while_it_starts_exits_at_once(tiny, tmp_path
       running HTTP server, and this one went on to serve, answering 503 "engine is dead";
     client, while vLLM's engine client is built: its call to the engine there (reset_mm_cache)
       waited for ever on the dead one, before any watch of the engine's death flag existed."""
-    import psutil
+    from grpo.serving.server import ENGINE_DIED_EXIT
 
-    from grpo.cpu.serving import KV_CACHE_ENV
-    from grpo.serving.server import ENGINE_DIED_EXIT, TOKEN_ENV
-
-    up = tmp_path / "engine_up"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the engine's processes import grpo
-    cmd = [sys.executable, os.path.join(root, "tests", "serving_starts_late.py"), "--model", str(tiny["model_dir"]),
-           "--weights-root", str(tmp_path / "weights"), "--port-file", str(tmp_path / "port"), "--dtype", "float32",
-           "--max-model-len", "256", "--enforce-eager"]
-    # a 1 GiB KV cache, as every CPU server the trainer launches has (grpo.cpu.serving.engine_env): without
-    # it vLLM asks for 85% of the machine's memory, and failed to start beside another worker's engine
-    env = {**os.environ, TOKEN_ENV: "t" * 32, "ENGINE_UP_FILE": str(up), "PYTHONPATH": root, KV_CACHE_ENV: "1",
-           "PAUSE_AT": pause_at}
-    with open(tmp_path / "server.log", "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 400
-        while not up.is_file() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert up.is_file(), (tmp_path / "server.log").read_text()[-3000:]
-        engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "VLLM::EngineCore"]
-        assert len(engines) == 1, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
-        engines[0].kill()
+    with _server_held_open(tiny, tmp_path, pause_at) as (proc, log):
+        _kill_the_engine(proc)
         code = proc.wait(timeout=15)  # before: still running, its HTTP server about to answer 503s
-    finally:
-        if group_alive(proc.pid):  # whatever happened, no server left behind
-            os.killpg(proc.pid, signal.SIGKILL)
     assert code == ENGINE_DIED_EXIT
-    assert "[grpo.server] the vLLM engine died: exiting" in (tmp_path / "server.log").read_text()
+    assert "[grpo.server] the vLLM engine died: exiting" in log.read_text()
+
+
+@pytest.mark.vllm
+def test_every_call_that_reaches_a_server_whose_engine_died_is_answered_503(tiny, tmp_path):
+    """Between an engine's death and its server's exit (the watches' poll, up to 0.5 s; held open
+    8 s here by tests/serving_starts_late.py), a call still reaches the server. CI's chaos soak lost
+    an attempt in that window (its engine killed mid-generation: one call answered with an error
+    that ends the run, before the server exited). Every call of the trainer's must get 503, which it
+    retries until the server is gone and then restarts it; a 4xx or 500 is a refusal of the call
+    itself. Before, a push that met the dead engine got 500 (EngineDeadError from its pause, not a
+    refused load) and any failure before vLLM's own death flag was set got 500 or 400."""
+    from grpo.serving.server import ENGINE_DIED_EXIT
+
+    with _server_held_open(tiny, tmp_path, "exit", pause_s=8.0) as (proc, log):
+        url = f"http://127.0.0.1:{(tmp_path / 'port').read_text().strip()}"
+        # no retries: a 503 is seen as it is; a call that hangs on the dead engine fails in 30 s
+        client = InferenceClient(url, "t" * 32, timeout_s=30.0, retry_deadline_s=0.0)
+        pushed = [write_weights(_perturbed(tiny["hf"], seed=31 + v), tiny["model_dir"], where, version=v, step=v,
+                                dtype=torch.float32) for v, where in ((1, tmp_path / "weights"),
+                                                                      (2, tmp_path / "weights"), (2, tmp_path / "staging"))]
+        sequences = [(tiny["prompt_ids"][0], tiny["prompt_ids"][1][:8])]
+        calls = {
+            "push (path)": lambda: client.push_weights(pushed[1], 2, mode="path"),
+            "push (bytes)": lambda: client.push_weights(pushed[2], 2, mode="bytes"),
+            "seeded generate": lambda: client.generate(tiny["prompt_ids"], n=2, max_tokens=4, temperature=1.0, seed=1),
+            "generate": lambda: client.generate(tiny["prompt_ids"], n=2, max_tokens=4, temperature=1.0),
+            "in-flight generate": lambda: client.generate(tiny["prompt_ids"], n=2, max_tokens=4, temperature=1.0,
+                                                          inflight_updates=True),
+            "score at T = 1": lambda: client.score(sequences, temperature=1.0),
+            "score at T = 0.7": lambda: client.score(sequences, temperature=0.7),
+            "score with top-p": lambda: client.score(sequences, temperature=0.7, top_p=0.9),
+            "reset": lambda: client.reset_weights(),
+        }
+        client.push_weights(pushed[0], 1, mode="path")  # a reset has a version to undo
+        assert client.generate(tiny["prompt_ids"], n=1, max_tokens=2, temperature=1.0).weights_version == 1
+        _kill_the_engine(proc)
+        time.sleep(1.0)  # past the watches' poll: both know, and the server has not exited (held open)
+        answers = {}
+        for name, call in calls.items():
+            try:
+                call()
+                answers[name] = "answered"
+            except ServerUnavailableError as e:  # 503, retried no longer (retry_deadline_s=0)
+                answers[name] = "503" if "HTTP 503: the vLLM engine died: " in str(e) else str(e)
+            except InferenceServerError as e:
+                answers[name] = str(e)
+        assert proc.poll() is None, "the server exited inside the window held open: nothing was tested"
+        assert answers == {name: "503" for name in calls}, answers
+        code = proc.wait(timeout=60)
+    assert code == ENGINE_DIED_EXIT
 
 
 @pytest.mark.torchrun  # starts a real server process (killed at its start-up time-out)
@@ -812,6 +876,42 @@ def test_child_dies_with_its_parent(tmp_path):
     else:
         os.kill(child_pid, signal.SIGKILL)
         pytest.fail("the child outlived its parent by 10 s")
+
+
+@pytest.mark.torchrun
+def test_an_engine_process_that_does_not_answer_sigterm_is_gone_soon_after_its_server(tmp_path):
+    """An engine process forked by a server that is then SIGKILLed, while the engine does not act on
+    SIGTERM (vLLM's handler only asks its busy loop to stop, and the engine is still starting): the
+    parent-pid watchdog ends it ENGINE_TERM_GRACE_S after its SIGTERM. Before, it waited the
+    server's own grace, 30 s, and test_the_engine_dies_with_a_server_killed_during_start_up found
+    the engine core still there 20 s after its server on a loaded machine."""
+    from grpo.serving.server import ENGINE_TERM_GRACE_S
+
+    pid_file = tmp_path / "engine.pid"
+    server = ("import os, signal, sys, time\n"
+              "from grpo.serving.server import engine_processes_die_with_server\n"
+              "engine_processes_die_with_server()\n"
+              "if os.fork() == 0:  # the engine: tied to this process by the at-fork hook\n"
+              "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+              "    time.sleep(120)\n"
+              "    os._exit(0)\n"
+              "time.sleep(120)\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", server], env=env)
+    deadline = time.monotonic() + 60
+    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    engine_pid = int(pid_file.read_text())
+    proc.kill()
+    proc.wait()
+    t0 = time.monotonic()
+    while _running(engine_pid) and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+    gone_s = time.monotonic() - t0
+    if _running(engine_pid):
+        os.kill(engine_pid, signal.SIGKILL)
+    assert gone_s < ENGINE_TERM_GRACE_S + 3, f"the engine outlived its server by {gone_s:.1f} s"
 
 
 @pytest.mark.vllm

@@ -1,11 +1,13 @@
 """HTTP plumbing of the server: the bearer-token check, and the readers/writer gates of the routes:
 the version gate, which keeps every completion on one weights version (a push waits for in-flight
 requests and holds new ones back), and the same lock where a score needs the engine alone
-(grpo/serving/routes.py)."""
+(grpo/serving/routes.py); a failure under a dead engine answered as the engine's death."""
 import asyncio
 import contextlib
 import hashlib
+import json
 import secrets
+from typing import Callable, Optional
 
 OPEN_PATHS = frozenset({"/health", "/grpo/health", "/grpo/weights_version"})
 
@@ -85,6 +87,53 @@ class GateRequests:
             return await self.app(scope, receive, send)
         async with self.gate.reading():
             return await self.app(scope, receive, send)
+
+
+class EngineDeathIs503:
+    """ASGI middleware: a request that fails while the engine is dead gets 503 "the vLLM engine
+    died: ...", whatever its route made of the failure. A call that meets a dead engine fails in
+    many ways inside vLLM (EngineDeadError, a load refused as a 400, any exception as a 500), and
+    vLLM's death flag can come after the failure; a 4xx/500 ends the trainer's run as a refusal of
+    its request, while a 503 is retried until the server has exited (it does, within
+    EngineProcessWatch's poll), then the trainer restarts it and calls again. CI's chaos soak lost
+    an attempt so: its engine killed mid-generation, one call of the run answered with an error
+    before the server exited. `died()` gives the reason, or None while the engine lives."""
+
+    def __init__(self, app, died: Callable[[], Optional[str]]) -> None:
+        self.app = app
+        self.died = died
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = replaced = False
+
+        async def answer_died(why: str) -> None:
+            body = json.dumps({"error": f"the vLLM engine died: {why}"}).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        async def send_unless_died(message) -> None:
+            nonlocal started, replaced
+            if message["type"] == "http.response.start":
+                started = True
+                # 499: the client left, nobody reads it; 503 says it already
+                if message["status"] >= 400 and message["status"] not in (499, 503) and (why := self.died()):
+                    replaced = True
+                    return await answer_died(why)
+            elif replaced:
+                return  # the body of the failure answered instead
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_unless_died)
+        except Exception:
+            if replaced:
+                return  # answered; the route's exception was the engine's death
+            if not started and (why := self.died()):
+                return await answer_died(why)
+            raise
 
 
 class Guarded:

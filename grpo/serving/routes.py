@@ -309,8 +309,9 @@ class Routes:
     async def on_one_version(self, work, request: Optional[Request] = None) -> tuple[int, object]:
         """(the weights version, await work()) with every engine call of `work` on that version: the
         read side of the push gate is held, so a push waits for it. A request the engine refuses
-        gives (version, a 400 reply), an engine that died under it (version, a 503 reply), a client
-        that hung up (version, a 499 reply nobody reads: its work was cancelled, the gate let go)."""
+        gives (version, a 400 reply), a client that hung up (version, a 499 reply nobody reads: its
+        work was cancelled, the gate let go); an engine that died under it raises (a 503 reply,
+        gate.EngineDeathIs503)."""
         async with self.state.gate.reading():
             version = self.state.version  # fixed while we read: a push waits for us
             return version, await self.answered(work(), request)
@@ -346,17 +347,14 @@ class Routes:
 
     async def answered(self, work, request: Optional[Request]):
         """await work, cancelled when the client hangs up; what the engine or the client did wrong
-        as a reply (400 refused, 503 the engine died, 499 the client left)."""
+        as a reply (400 refused, 499 the client left; any failure of a dead engine's is a 503:
+        gate.EngineDeathIs503)."""
         try:
             return await unless_client_gone(request, work)
         except ClientGone:
             return error(499, "the client closed the connection; its request was stopped")
         except ValueError as e:
-            return error(400, str(e))
-        except Exception as e:
-            if self.engine.errored:
-                return error(503, f"the vLLM engine died: {type(e).__name__}: {e}")
-            raise
+            return error(400, str(e))  # under a dead engine, a 503 (gate.EngineDeathIs503)
 
     async def batch(self, req: GenerateRequest, params) -> list[list[dict]]:
         """The prompts as independent requests, interleaved with any others."""

@@ -69,9 +69,15 @@ def engine_processes_die_with_server() -> None:
                             after_in_child=lambda: _tie_to(_forking[0]))
 
 
+# An engine process whose server is gone has nothing to finish; its SIGTERM can go unanswered while it
+# still starts (vLLM's handler only asks its busy loop to stop), and it held cores and memory for the
+# watchdog's whole grace (30 s) when its server was killed during start-up on a loaded machine.
+ENGINE_TERM_GRACE_S = 5.0
+
+
 def _tie_to(parent_pid: int) -> None:
     try:
-        die_with_parent(parent_pid)
+        die_with_parent(parent_pid, grace_s=ENGINE_TERM_GRACE_S)
     except SystemExit:  # the parent died before this child got here: leave no orphan
         os._exit(1)
     engine_processes_die_with_server()  # and this process's own children die with it
@@ -170,39 +176,53 @@ ENGINE_DIED_EXIT = 3  # the server's exit code when its engine died under it
 ENGINE_PROCESS_NAME = "VLLM::EngineCore"  # the title vLLM gives its engine-core process
 
 
-def exit_when_an_engine_process_dies(poll_s: float = 0.5) -> threading.Thread:
+class EngineProcessWatch:
     """From before the engine starts: once an engine-core process of this server exists, its death
     ends the server. vLLM's own death flag (exit_when_the_engine_dies, below) exists only once its
     client is built, and a call that client makes to the engine while it is being built
     (reset_mm_cache) waits for ever on a dead one: vLLM 0.32 resolves no utility call in flight when
     its engine dies. The chaos soak's server, its engine killed right after it came up, hung there
-    until the trainer's start-up time-out (300 s), and the run ended."""
-    import psutil
+    until the trainer's start-up time-out (300 s), and the run ended. `dead()` is also asked as a
+    request fails (gate.EngineDeathIs503): the process's end is known before vLLM's flag says so."""
 
-    def gone(p: psutil.Process) -> bool:
-        try:
-            return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return True
+    def __init__(self, poll_s: float = 0.5) -> None:
+        import psutil
 
-    def watch() -> None:
-        me, engines = psutil.Process(), []
-        while True:
-            for child in me.children():
+        self.poll_s = poll_s
+        self._me = psutil.Process()
+        self._engines: list = []  # the engine-core processes seen so far
+        self._lock = threading.Lock()  # the watch thread and the request handlers both look
+
+    def dead(self) -> Optional[str]:
+        """Why the engine is dead ("engine-core process 123 exited"), or None while every one seen runs."""
+        import psutil
+
+        with self._lock:
+            for child in self._me.children():
                 try:
-                    if child.name() == ENGINE_PROCESS_NAME and child not in engines:
-                        engines.append(child)
+                    if child.name() == ENGINE_PROCESS_NAME and child not in self._engines:
+                        self._engines.append(child)
                 except psutil.Error:
                     continue
-            if any(gone(p) for p in engines):
-                print("[grpo.server] the vLLM engine died: exiting so that the trainer restarts this server",
-                      file=sys.stderr, flush=True)
-                os._exit(ENGINE_DIED_EXIT)
-            time.sleep(poll_s)
+            for p in self._engines:
+                try:
+                    gone = not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+                except psutil.Error:
+                    gone = True
+                if gone:
+                    return f"engine-core process {p.pid} exited"
+        return None
 
-    thread = threading.Thread(target=watch, name="engine-process-watch", daemon=True)
-    thread.start()
-    return thread
+    def start(self) -> "EngineProcessWatch":
+        def watch() -> None:
+            while not self.dead():
+                time.sleep(self.poll_s)
+            print("[grpo.server] the vLLM engine died: exiting so that the trainer restarts this server",
+                  file=sys.stderr, flush=True)
+            os._exit(ENGINE_DIED_EXIT)
+
+        threading.Thread(target=watch, name="engine-process-watch", daemon=True).start()
+        return self
 
 
 async def exit_when_the_engine_dies(engine, poll_s: float = 0.5) -> None:
@@ -227,7 +247,7 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
 
     from grpo.cpu.serving import EngineControl
     from grpo.serving.engine_weights import WeightsState, serving_dtype_name
-    from grpo.serving.gate import BearerAuth, GateRequests, Guarded
+    from grpo.serving.gate import BearerAuth, EngineDeathIs503, GateRequests, Guarded
     from grpo.serving.routes import Routes
 
     # Bind first: the port is known (and reserved) before the minute-long engine start-up.
@@ -240,7 +260,7 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
     on_cpu = current_platform.is_cpu()
     args = vllm_args(ns, port, on_cpu)
     root = Path(ns.weights_root)  # checked by main()
-    exit_when_an_engine_process_dies()
+    processes = EngineProcessWatch().start()
     async with build_async_engine_client(args) as engine:
         # held for the life of serve(): the event loop keeps only weak references to tasks
         watch = asyncio.create_task(exit_when_the_engine_dies(engine))  # noqa: F841
@@ -261,7 +281,10 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
         routes = Routes(state, engine.model_config.get_vocab_size(), engine.model_config.max_model_len,
                         ns.upload_timeout_s)
         app.include_router(routes.router())
-        guarded = Guarded(app, BearerAuth(GateRequests(app, state.gate), token))
+        def engine_died() -> Optional[str]:
+            return "vLLM reports it dead" if engine.errored else processes.dead()
+
+        guarded = Guarded(app, BearerAuth(GateRequests(EngineDeathIs503(app, engine_died), state.gate), token))
         print(f"[grpo.server] serving {ns.model} on http://{ns.host}:{port} (weights root {root})", flush=True)
         shutdown = await serve_http(guarded, sock=sock, host=ns.host, port=port, log_level="warning",
                                     access_log=False, timeout_keep_alive=5)

@@ -124,8 +124,9 @@ def _stop_all() -> None:
         proc.stop()
 
 
-def die_with_parent(parent_pid: Optional[int]) -> None:
-    """Leave no orphan: SIGTERM on parent death (Linux prctl), plus a polling watchdog."""
+def die_with_parent(parent_pid: Optional[int], grace_s: float = 30.0) -> None:
+    """Leave no orphan: SIGTERM on parent death (Linux prctl), plus a polling watchdog that ends
+    the process `grace_s` after that SIGTERM if it is still there."""
     if parent_pid is None:
         return
     if sys.platform.startswith("linux"):
@@ -136,7 +137,7 @@ def die_with_parent(parent_pid: Optional[int]) -> None:
         while True:
             if os.getppid() != parent_pid:  # re-parented: the trainer is gone
                 os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(30)  # give the graceful shutdown its chance, then make sure
+                time.sleep(grace_s)  # give the graceful shutdown its chance, then make sure
                 os._exit(1)
             time.sleep(0.5)
 
