@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from standalone_server import standalone_server
 from test_train import ROOT, assert_same_numbers, env, model_dir, read_rows, train_cmd  # noqa: F401 (model_dir is a fixture)
 
 pytestmark = pytest.mark.vllm
@@ -17,8 +18,23 @@ pytestmark = pytest.mark.vllm
 NOT_NUMBERS = ("tokens_per_s", "async_sampler", "async_queue")  # timings and what timing decides
 
 
-def run(model_dir, tmp_path, name, *extra, resume=False):
-    proc = subprocess.run(train_cmd(1, model_dir, tmp_path, name, *extra, *(["--resume"] if resume else [])),
+@pytest.fixture(scope="module")
+def attach(model_dir, tmp_path_factory):
+    """One server for the module's six trainings, which attach to it (server.url) as a cluster's runs
+    attach to servers they did not start: each launching its own paid an engine start (30-45 s on
+    2 cores) six times. Each run resets it to its model directory as it starts (a resume too, then
+    serves its checkpoint's alpha), so no run samples from another's pushes."""
+    from grpo.config import load_config
+    from grpo.train_config import TrainConfig
+
+    cfg = load_config(TrainConfig, str(ROOT / "configs/tiny_test.yaml"), [f"model.path={model_dir}"]).server
+    work = tmp_path_factory.mktemp("server")
+    with standalone_server(model_dir, work, cfg) as (url, token_file):
+        yield [f"server.url={url}", f"server.token_file={token_file}", f"server.weights_root={work / 'weights'}"]
+
+
+def run(attach, model_dir, tmp_path, name, *extra, resume=False):
+    proc = subprocess.run(train_cmd(1, model_dir, tmp_path, name, *attach, *extra, *(["--resume"] if resume else [])),
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {r["step"]: r for r in read_rows(tmp_path / name) if "loss" in r}, proc.stderr
@@ -43,16 +59,16 @@ def same_numbers(a: dict, b: dict, steps) -> None:
         assert_same_numbers(b[step], a[step], step, skip=NOT_NUMBERS)
 
 
-def test_a_fixed_lag_samples_batch_k_from_the_push_before_and_repeats_exactly(model_dir, tmp_path):
+def test_a_fixed_lag_samples_batch_k_from_the_push_before_and_repeats_exactly(attach, model_dir, tmp_path):
     """grpo.lag=1, a push every iteration: batch k is sampled from the weights pushed before batch
     k-1 (version k-1; batches 0 and 1 from version 0) while batch k-1 trains, as the recorded batches'
     versions say; the instruments score it with that push's copy. A rerun gives the same numbers, and
     so does a run resumed from the checkpoint at step 2, whose batch 2 had been sampled (from
     version 1) before the checkpoint: the resume samples it again from version 1's saved weights.
-    Over 60 s: three trainings (the run, its rerun, its resume), each with its own server."""
+    Over 60 s: three trainings (the run, its rerun, its resume) on the module's server."""
     common = ["grpo.S=1", "grpo.M=5", "grpo.v=1", "grpo.i=1", "grpo.lag=1", "checkpoint.every=2",
               "checkpoint.keep_last=3", "eval_data=null", "log.save_rollouts=true"]
-    a, _ = run(model_dir, tmp_path, "lag", *common)
+    a, _ = run(attach, model_dir, tmp_path, "lag", *common)
     from grpo.recording import read_rollouts
 
     versions = [sorted(set(batch.column("weights_version").to_pylist())) for batch in read_rollouts(tmp_path / "lag")]
@@ -66,11 +82,11 @@ def test_a_fixed_lag_samples_batch_k_from_the_push_before_and_repeats_exactly(mo
     assert (ckpt / "alpha-v1" / "model.safetensors").is_file()  # the weights batch 2 was sampled from
     assert json.loads((ckpt / "trainer_state.json").read_text())["batches"]["pending"][0]["index"] == 2
 
-    b, _ = run(model_dir, tmp_path, "rerun", *common)
+    b, _ = run(attach, model_dir, tmp_path, "rerun", *common)
     same_numbers(a, b, sorted(a))
 
     crash_copy(tmp_path, "lag", keep_step=2, drop_batches=[(0, 2), (0, 3), (0, 4)])
-    c, stderr = run(model_dir, tmp_path, "crash", *common, resume=True)
+    c, stderr = run(attach, model_dir, tmp_path, "crash", *common, resume=True)
     assert "not an exact repeat" not in stderr
     assert sorted(c) == [1, 2, 3, 4, 5]
     same_numbers(a, c, (3, 4, 5))
@@ -81,7 +97,7 @@ def test_a_fixed_lag_samples_batch_k_from_the_push_before_and_repeats_exactly(mo
 
 @pytest.mark.parametrize("on_stale, bound", [("drop", 0), ("wait", 1)])
 def test_the_asynchronous_sampler_keeps_its_bound_counts_drops_and_resumes_without_losing_a_prompt(
-        model_dir, tmp_path, on_stale, bound):
+        attach, model_dir, tmp_path, on_stale, bound):
     """rollout.mode=async, a push every iteration, one prompt per server call: the sampler runs ahead
     of the trainer, and every sequence trained on was sampled by weights pushed at most `bound`
     optimizer steps before its batch's first step (from the recording's versions and the rows' push
@@ -89,15 +105,14 @@ def test_the_asynchronous_sampler_keeps_its_bound_counts_drops_and_resumes_witho
     queued before a push is dropped and counted; on_stale=wait with a bound of 1: the sampler waits
     (counted) instead of sampling a group that would be too stale, and nothing is dropped. A run
     resumed from its checkpoint (drop) trains on the prompts the interrupted run had not trained on
-    or dropped, none twice and none lost. Over 60 s: a training and (drop) its resume, each with its
-    own server."""
+    or dropped, none twice and none lost. Over 60 s: a training and (drop) its resume."""
     data = tmp_path / "sums.jsonl"  # prompts that are all different: a prompt names its place in the stream
     data.write_text("".join(json.dumps({"question": f"{a}+{b}", "answer": str(a + b)}) + "\n"
                             for a in range(1, 3) for b in range(100, 130)))
     common = ["grpo.S=1", "grpo.M=6", "grpo.v=1", "grpo.i=1", "rollout.mode=async", f"rollout.max_staleness={bound}",
               f"rollout.on_stale={on_stale}", "rollout.groups_per_call=1", "checkpoint.every=3", "eval_data=null",
               "log.save_rollouts=true", f"data.dataset={data}"]
-    a, _ = run(model_dir, tmp_path, "async", *common)
+    a, _ = run(attach, model_dir, tmp_path, "async", *common)
     from grpo.recording import read_rollouts
 
     steps = sorted(a)
@@ -115,7 +130,7 @@ def test_the_asynchronous_sampler_keeps_its_bound_counts_drops_and_resumes_witho
     assert sum(dropped) > 0
 
     crash_copy(tmp_path, "async", keep_step=3, drop_batches=[(0, 3), (0, 4), (0, 5)])
-    c, _ = run(model_dir, tmp_path, "crash", *common, resume=True)
+    c, _ = run(attach, model_dir, tmp_path, "crash", *common, resume=True)
     assert sorted(c) == steps
     # the prompts of the stream, in the order the sampler draws them (the arithmetic task's stream)
     trained = [tuple(ids) for batch in read_rollouts(tmp_path / "crash")
@@ -145,15 +160,15 @@ def prompt_stream(model_dir, data, n):
             for _ in range(n)]
 
 
-def test_pushes_follow_the_measured_drift(model_dir, tmp_path):
+def test_pushes_follow_the_measured_drift(attach, model_dir, tmp_path):
     """push.policy=drift: a push before batch k exactly where the staleness measured on batch k-1
     (tv_staleness, its first pass) reached the threshold, or after max_interval batches without one,
     and never within min_interval of the last; each says why. Decided here from the logged numbers.
-    Over 60 s: a training of seven iterations with its server."""
+    Over 60 s: a training of seven iterations."""
     threshold, ceiling = 0.02, 3
     common = ["grpo.S=1", "grpo.M=7", "grpo.v=1", "grpo.i=2", "push.policy=drift", f"push.tv_threshold={threshold}",
               f"push.max_interval={ceiling}", "eval_data=null"]
-    a, _ = run(model_dir, tmp_path, "drift", *common)
+    a, _ = run(attach, model_dir, tmp_path, "drift", *common)
     firsts = [a[s] for s in sorted(a) if a[s]["sgd_iteration"] == 0]
     assert len(firsts) == 7
     since, reasons = 0, []
