@@ -853,6 +853,20 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _sigkill_once_it_wrote_a_pid(code: str, pid_file: Path) -> int:
+    """Run `code` in a Python process that can import grpo, SIGKILL it once `pid_file` names a
+    process (one it started), and return that pid."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    deadline = time.monotonic() + 60
+    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pid = int(pid_file.read_text())
+    proc.kill()
+    proc.wait()
+    return pid
+
+
 @pytest.mark.torchrun
 def test_child_dies_with_its_parent(tmp_path):
     """A trainer killed with SIGKILL (no atexit) still takes the server down with it."""
@@ -860,14 +874,7 @@ def test_child_dies_with_its_parent(tmp_path):
     child = ("import os, sys, time; from grpo.serving.supervisor import die_with_parent; die_with_parent(os.getppid()); "
              f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
     parent = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    trainer = subprocess.Popen([sys.executable, "-c", parent], env=env)
-    deadline = time.monotonic() + 60
-    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    child_pid = int(pid_file.read_text())
-    trainer.kill()
-    trainer.wait()
+    child_pid = _sigkill_once_it_wrote_a_pid(parent, pid_file)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if not _running(child_pid):
@@ -897,14 +904,7 @@ def test_an_engine_process_that_does_not_answer_sigterm_is_gone_soon_after_its_s
               "    time.sleep(120)\n"
               "    os._exit(0)\n"
               "time.sleep(120)\n")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, "-c", server], env=env)
-    deadline = time.monotonic() + 60
-    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    engine_pid = int(pid_file.read_text())
-    proc.kill()
-    proc.wait()
+    engine_pid = _sigkill_once_it_wrote_a_pid(server, pid_file)
     t0 = time.monotonic()
     while _running(engine_pid) and time.monotonic() - t0 < 30:
         time.sleep(0.1)
