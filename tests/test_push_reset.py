@@ -28,7 +28,8 @@ PROMPT = [3 + (7 * i) % 400 for i in range(CPU_BLOCK + 40)]  # one full (cached)
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    """The engine, on an event loop in a thread of its own: `engine.run(coro)` runs a coroutine there."""
+    """The engine, on an event loop in a thread of its own: `engine.run(coro)` runs a coroutine there.
+    Over 60 s with the first test that asks, on a loaded machine: an engine start (20-55 s)."""
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
 
     base = tmp_path_factory.mktemp("push_reset")

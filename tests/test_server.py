@@ -297,7 +297,8 @@ def test_a_score_whose_client_hung_up_stops_and_lets_the_next_push_through(serve
     """A request holds the read side of the version gate while it runs, so a push waits for it.
     A client that hangs up no longer holds it: its engine requests are aborted within a poll
     (DISCONNECT_POLL_S), and the push goes through. Before, a 45 s request abandoned after 3 s
-    delayed the next push by 44 s."""
+    delayed the next push by 44 s. Over 60 s under load (~25 s alone): the scores to abandon are
+    grown until they take more than 4 s together, and on a loaded machine that takes several rounds."""
     from grpo.serving.client import SCORE_MAX_TOKENS
 
     version = _push_next(server, _perturbed(tiny["hf"], seed=23))
