@@ -54,3 +54,15 @@ def standalone_server(model_dir: Path, work: Path, cfg: ServerConfig, startup_s:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@contextlib.contextmanager
+def standalone_attach(model_dir: Path, work: Path, config: str):
+    """The server a run of `config` (a YAML file) would launch, started by hand: yields the
+    overrides that attach a run to it (server.url, server.token_file, server.weights_root)."""
+    from grpo.config import load_config
+    from grpo.train_config import TrainConfig
+
+    cfg = load_config(TrainConfig, config, [f"model.path={model_dir}"]).server
+    with standalone_server(model_dir, work, cfg) as (url, token_file):
+        yield [f"server.url={url}", f"server.token_file={token_file}", f"server.weights_root={work / 'weights'}"]

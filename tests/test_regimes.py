@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from standalone_server import standalone_server
+from standalone_server import standalone_attach
 from test_train import ROOT, assert_same_numbers, env, model_dir, read_rows, train_cmd  # noqa: F401 (model_dir is a fixture)
 
 pytestmark = pytest.mark.vllm
@@ -24,13 +24,8 @@ def attach(model_dir, tmp_path_factory):
     attach to servers they did not start: each launching its own paid an engine start (30-45 s on
     2 cores) six times. Each run resets it to its model directory as it starts (a resume too, then
     serves its checkpoint's alpha), so no run samples from another's pushes."""
-    from grpo.config import load_config
-    from grpo.train_config import TrainConfig
-
-    cfg = load_config(TrainConfig, str(ROOT / "configs/tiny_test.yaml"), [f"model.path={model_dir}"]).server
-    work = tmp_path_factory.mktemp("server")
-    with standalone_server(model_dir, work, cfg) as (url, token_file):
-        yield [f"server.url={url}", f"server.token_file={token_file}", f"server.weights_root={work / 'weights'}"]
+    with standalone_attach(model_dir, tmp_path_factory.mktemp("server"), str(ROOT / "configs/tiny_test.yaml")) as args:
+        yield args
 
 
 def run(attach, model_dir, tmp_path, name, *extra, resume=False):

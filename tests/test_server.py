@@ -350,13 +350,9 @@ def test_a_score_at_another_temperature_whose_client_hung_up_frees_the_engine_at
     Bug: every request of the score was queued in the engine at once and aborted one by one when the
     client left (each abort a message of its own, each removal a scan of the engine's waiting queue),
     which held the engine 2.3-20 s, and the version gate a push waits on as long."""
-    from grpo.serving.client import SCORE_MAX_TOKENS
-
     _push_next(server, _perturbed(tiny["hf"], seed=25))
     prompt = tiny["prompt_ids"][0]
-    body = {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
-                                                                               for t in range(100)]}
-                          for j in range(SCORE_MAX_TOKENS // 100)], **setting}
+    body = _largest_score_body(prompt, **setting)
 
     def abandon():
         client = InferenceClient(server.client.url, server._token)
@@ -731,8 +727,8 @@ def test_killed_server_gives_clear_error_and_generate_restarts_it(server, tiny):
 
 @contextlib.contextmanager
 def _server_held_open(tiny, tmp_path, pause_at: str, pause_s: float = 20.0):
-    """grpo.serving.server under tests/serving_starts_late.py, its window `pause_at` held open:
-    yields (the process, the file it writes when the engine is up, its log); never left behind."""
+    """grpo.serving.server under tests/serving_starts_late.py, its window `pause_at` held open for
+    `pause_s`: yields (the process, its log) once it says its engine is up; never left behind."""
     from grpo.cpu.serving import KV_CACHE_ENV
     from grpo.serving.server import TOKEN_ENV
 
@@ -1418,15 +1414,21 @@ def _client(server, **kwargs) -> InferenceClient:
     return InferenceClient(server.client.url, server._token, **kwargs)
 
 
-def _largest_scores_together(server, prompt, temperature: float):
-    """together(k, timeout): k of the largest /grpo/score requests allowed (SCORE_MAX_TOKENS) sent at
-    once, each through a client of its own (a requests session is not shared between threads);
-    each request's outcome, "answered" or "hung up" (its client gave up after `timeout`)."""
+def _largest_score_body(prompt, **sampling) -> dict:
+    """The largest /grpo/score request allowed: SCORE_MAX_TOKENS completion tokens, in sequences of
+    100 after `prompt`, scored with these sampling settings (temperature, top_k, top_p)."""
     from grpo.serving.client import SCORE_MAX_TOKENS
 
-    body = {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
+    return {"sequences": [{"prompt_token_ids": prompt, "completion_token_ids": [10 + (j * 7 + t) % 400
                                                                                for t in range(100)]}
-                          for j in range(SCORE_MAX_TOKENS // 100)], "temperature": temperature}
+                          for j in range(SCORE_MAX_TOKENS // 100)], **sampling}
+
+
+def _largest_scores_together(server, prompt, temperature: float):
+    """together(k, timeout): k of the largest /grpo/score requests allowed (_largest_score_body) sent
+    at once, each through a client of its own (a requests session is not shared between threads);
+    each request's outcome, "answered" or "hung up" (its client gave up after `timeout`)."""
+    body = _largest_score_body(prompt, temperature=temperature)
 
     def post(timeout=None) -> str:
         try:

