@@ -5,7 +5,9 @@
                beyond the logits and their gradient)
   (c) fused:   kernels.lm_head_logprobs(hidden, W, targets, T)                    (chunks: [N, V] never exists)
   (d) fused_objective: kernels.lm_head_objective(...) with loss="reinforce" (-A logp), A = -g: the same
-               loss, gradients computed during the forward (no recompute)
+               loss, gradients computed during the forward, by the device's default plan
+               (KernelConfig.objective_grads "auto": vocabulary slabs on CUDA, token chunks on CPU)
+  (d_slabs or d_chunks) (d) again by the other plan, as its baseline in the same run
   (c_ieee, d_ieee) with --dtype bfloat16 on a CPU that multiplies bf16 (AMX / AVX512-BF16): (c) and (d)
                again with the head's GEMMs as IEEE fp32 GEMMs of upcast operands, the strategy before
                oneDNN's bf16 math mode (kernels.lm_head.gemm_strategy), as the baseline of that mode
@@ -99,11 +101,13 @@ def forward(args, hidden, weight, targets, upstream):
         from grpo.kernel_dispatch import objective_fn_for
         from grpo.objective import ObjectiveConfig
 
+        plan = args.variant.removeprefix("fused_objective").removeprefix("_") or "auto"  # slabs, chunks
         zeros, ones = torch.zeros_like(upstream), torch.ones_like(upstream)
         loss, _, logp, _ = kernels.lm_head_objective(
             hidden, weight, targets, zeros, None, None, -upstream, ones, ObjectiveConfig(loss="reinforce"),
             objective_fn=objective_fn_for(hidden.device, kernels.KernelConfig(backend=args.backend)),
-            temperature=args.temperature, chunk_tokens=args.chunk_tokens, backend=args.backend)
+            temperature=args.temperature, chunk_tokens=args.chunk_tokens, backend=args.backend,
+            config=kernels.KernelConfig(objective_grads=plan))
         return loss, logp
     return (logp * upstream).sum(), logp
 
@@ -302,8 +306,9 @@ def main() -> None:
     ap.add_argument("--no-shared", action="store_true", help="skip the AOT shared-memory report")
     ap.add_argument("--loss-tokens", type=int, default=1 << 20, help="tokens of the loss-kernel comparison")
     ap.add_argument("--loss-repeats", type=int, default=5, help="forward+backward passes of the loss; the fastest counts")
-    ap.add_argument("--worker", choices=["naive", "logits", "fused", "fused_objective", "fused_ieee",
-                                         "fused_objective_ieee", "loss_torch", "loss_triton"],
+    ap.add_argument("--worker", choices=["naive", "logits", "fused", "fused_objective", "fused_objective_slabs",
+                                         "fused_objective_chunks", "fused_ieee", "fused_objective_ieee",
+                                         "loss_torch", "loss_triton"],
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.chunk_tokens is None:
@@ -321,6 +326,8 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     plan = [("a_naive", "naive", args.chunk_tokens), ("b_logits", "logits", args.chunk_tokens),
             ("c_fused", "fused", args.chunk_tokens), ("d_fused_objective", "fused_objective", args.chunk_tokens)] + [(f"c_fused_chunk{c}", "fused", c) for c in args.chunk_sweep]
+    other_plan = "chunks" if args.device == "cuda" else "slabs"  # the plan "auto" does not pick here
+    plan.append((f"d_{other_plan}", f"fused_objective_{other_plan}", args.chunk_tokens))
     from grpo.cpu.bf16 import onednn_bf16_math_honoured
 
     if args.device == "cpu" and args.dtype == "bfloat16" and onednn_bf16_math_honoured():

@@ -8,8 +8,9 @@
 
 Memory: lm_head_logprobs / lm_head_objective never hold more than one [chunk_tokens, V] block of
 logits (bench/kernels.py measures it against the naive path; docs/benchmarks). lm_head_logprobs
-recomputes each chunk's logits in backward (4 matmuls instead of 3); lm_head_objective, when the
-loss is exactly the objective of logp, computes the gradients during the forward (3 matmuls). Logits are fp32 whatever the weights' dtype (see lm_head.py).
+recomputes the logits slab by slab in backward (4 matmuls instead of 3); lm_head_objective, when the
+loss is exactly the objective of logp, computes the gradients during the forward (by slabs as
+lm_head_logprobs' backward, or by token chunks in 3 matmuls: KernelConfig.objective_grads). Logits are fp32 whatever the weights' dtype (see lm_head.py).
 Target ids < 0 are ignored rows.
 
 backend (KernelConfig.backend, the `kernels.backend` config key; the `backend=` argument of each
@@ -65,6 +66,12 @@ class KernelConfig:
     # batches; docs/benchmarks/gpu-h200.md); blockwise: a max and a sum across the tile every step.
     forward_loop: Literal["lanewise", "blockwise"] = "lanewise"
     loss_block: int = 1024  # tokens per Triton program of the loss kernel (power of 2)
+    # How lm_head_objective computes its gradients (kernels/lm_head.py weighs the two): "slabs"
+    # (4 GEMMs, each weight-gradient slab final after one GEMM over every token: 0.8x naive's time
+    # and 0.05x its memory on an H200 at Qwen2.5-0.5B sizes), "chunks" (3 GEMMs, an fp32 [V, H]
+    # accumulator that each token chunk reads and writes: 1.5x and 0.16x there); "auto": slabs on
+    # CUDA, chunks elsewhere (a CPU pays for flops, not for the accumulator's traffic).
+    objective_grads: Literal["auto", "slabs", "chunks"] = "auto"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -79,6 +86,8 @@ class KernelConfig:
             raise ValueError(f"num_warps: must be a power of 2 in [1, 32], got {self.num_warps!r}")
         if self.forward_loop not in ("lanewise", "blockwise"):
             raise ValueError(f"forward_loop: must be 'lanewise' or 'blockwise', got {self.forward_loop!r}")
+        if self.objective_grads not in ("auto", "slabs", "chunks"):
+            raise ValueError(f"objective_grads: must be 'auto', 'slabs' or 'chunks', got {self.objective_grads!r}")
         if not _is_pow2(self.loss_block) or self.loss_block < 16:
             raise ValueError(f"loss_block: must be a power of 2 >= 16, got {self.loss_block!r}")
 
@@ -223,11 +232,18 @@ def grpo_objective(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, backen
     return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}
 
 
+def _grads_by_slabs(config: KernelConfig, device: torch.device) -> bool:
+    if config.objective_grads == "auto":
+        return device.type == "cuda"
+    return config.objective_grads == "slabs"
+
+
 def lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg, *, objective_fn,
                       temperature=1.0, with_entropy=False, chunk_tokens=None, backend="auto",
                       config: Optional[KernelConfig] = None):
-    """objective(lm_head_logprobs(hidden, weight, targets, temperature), ...) in one chunked pass
-    that computes the gradients of hidden and weight during the forward (3 matmuls, no recompute).
+    """objective(lm_head_logprobs(hidden, weight, targets, temperature), ...) in one call that
+    computes the gradients of hidden and weight during the forward (KernelConfig.objective_grads:
+    by vocabulary slabs, 4 matmuls, or by token chunks, 3 matmuls and an fp32 [V, H] accumulator).
 
     Per-token tensors (logp_alpha, logp_k or None, logp_ref or None, adv, weights) are flat [N],
     aligned with the rows of hidden; targets < 0 are ignored rows (give them weight 0 too).
@@ -252,7 +268,7 @@ def lm_head_objective(hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv
     flat = [None if t is None else t.detach().float().contiguous() for t in (logp_alpha, logp_k, logp_ref, adv, weights)]
     loss, stats, logp, entropy = LMHeadObjective.apply(
         hidden, weight, targets.to(torch.int64).contiguous(), *flat, cfg, inv_temperature, config.chunk_tokens,
-        impl, objective_fn, config.loss_block, bool(with_entropy))
+        impl, objective_fn, config.loss_block, bool(with_entropy), _grads_by_slabs(config, hidden.device))
     return loss, {key: stats[i] for i, key in enumerate(STAT_KEYS)}, logp, entropy
 
 

@@ -22,8 +22,16 @@ does): our output is a per-token logp whose upstream gradient g_i is not known a
 grad_weight = sum_i g_i (onehot_i - p_i)^T hidden_i / T mixes all tokens' g_i with [V]-sized rows,
 so it cannot be prepared without keeping [N, V] of state. Recomputing costs one matmul of the three
 of a plain forward+backward (4 GEMMs instead of 3). LMHeadObjective, whose loss IS a function of
-logp alone, computes the gradients in the forward instead (3 matmuls), by token chunks, so it keeps
-the fp32 [V, H] weight-gradient accumulator: one GEMM fewer for 519 MB more at 0.5B sizes.
+logp alone, knows every g_i at the end of its forward and computes the gradients there, by one of
+two plans (`objective_grads`):
+  "slabs"   the chunked forward gives every token's g and lse, then the slab backward above runs
+            inside the forward: 4 GEMMs, each slab of the weight gradient final after one large
+            GEMM, no [V, H] accumulator. On an H200 at Qwen2.5-0.5B sizes: 0.8x the naive path's
+            time and 0.05x its memory above the gradients (docs/benchmarks/gpu-h200.md).
+  "chunks"  dlogits of each token chunk as soon as its logits exist: 3 GEMMs, but each chunk's
+            weight-gradient GEMM (K = chunk_tokens) reads and writes a whole fp32 [V, H]
+            accumulator (519 MB at 0.5B sizes): 1.4-1.5x naive's time and 0.16x its memory on the
+            H200; on a CPU, where the GEMMs' flops are the cost, the saved GEMM is worth more.
 
 Numerics: logits are always fp32, whatever the weights' dtype. bf16 logits have a rounding step of
 0.125 at |z| ~ 16-32; divided by the paper's temperature 0.1 that is up to ~0.6 nat of log-prob
@@ -185,6 +193,47 @@ def _chunks(n_rows: int, chunk_tokens: int):
         yield c0, min(n_rows, c0 + chunk_tokens)
 
 
+def slab_backward(hidden, weight, targets, lse, g, entropy, grad_entropy, inv_temperature, chunk_tokens,
+                  impl: LogprobImpl, need_hidden: bool, need_weight: bool):
+    """(grad_hidden or None, grad_weight or None) of sum_i g_i logp_i (+ grad_entropy_i entropy_i),
+    slab by slab of the vocabulary (the module's docstring): g [N] fp32, 0 on ignored rows; lse and
+    entropy from the forward; grad_weight in weight's dtype, every row of it written."""
+    live = g != 0
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.float().contiguous()
+        live |= grad_entropy != 0
+    # Rows with no gradient at all (padding, ignored tokens) cost nothing: which ones, in ONE
+    # host sync per call; the slabs run over the others.
+    rows = live.nonzero().squeeze(1)
+    n_live = rows.numel()
+    every_row = n_live == hidden.shape[0]
+
+    def live_part(t):
+        return None if t is None else (t if every_row else t.index_select(0, rows))
+
+    hidden_l, targets_l, lse_l, g_l = live_part(hidden), live_part(targets), live_part(lse), live_part(g)
+    entropy_l, grad_entropy_l = live_part(entropy), live_part(grad_entropy)
+    grad_weight = None
+    if need_weight:  # written slab by slab, every row of it; zero where no token had a gradient
+        grad_weight = (torch.empty if n_live else torch.zeros)(weight.shape, dtype=weight.dtype, device=weight.device)
+    grad_hidden32 = torch.zeros(n_live, hidden.shape[1], dtype=torch.float32, device=hidden.device) if need_hidden else None
+    gemms = _HeadGemms(weight)
+    vocab = weight.shape[0]
+    step = slab_columns(n_live, hidden.shape[1], vocab, chunk_tokens)
+    for v0 in range(0, vocab if n_live and (need_hidden or need_weight) else 0, step):
+        v1 = min(vocab, v0 + step)
+        logits = gemms.slab_logits(hidden_l, v0, v1)
+        # targets shifted into the slab's columns: a target outside them adds no one-hot term
+        impl.backward(logits, targets_l - v0, lse_l, g_l, entropy_l, grad_entropy_l, inv_temperature, out=logits)
+        gemms.slab_grads(logits, hidden_l, v0, v1, grad_weight, grad_hidden32)
+        del logits
+    grad_hidden = None
+    if need_hidden:
+        grad_hidden = grad_hidden32.to(hidden.dtype) if every_row else torch.zeros_like(hidden).index_copy_(
+            0, rows, grad_hidden32.to(hidden.dtype))
+    return grad_hidden, grad_weight
+
+
 class LMHeadLogprobs(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], targets [N]) -> (logp [N] fp32, entropy [N] fp32 or None)."""
 
@@ -210,50 +259,19 @@ class LMHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g = merge_grads(targets, grad_logp)
-        live = g != 0
-        if grad_entropy is not None:
-            grad_entropy = grad_entropy.float().contiguous()
-            live |= grad_entropy != 0
-        # Rows with no gradient at all (padding, ignored tokens) cost nothing: which ones, in ONE
-        # host sync per call; the slabs run over the others.
-        rows = live.nonzero().squeeze(1)
-        n_live = rows.numel()
-        every_row = n_live == hidden.shape[0]
-
-        def live_part(t):
-            return None if t is None else (t if every_row else t.index_select(0, rows))
-
-        hidden_l, targets_l, lse_l, g_l = live_part(hidden), live_part(targets), live_part(lse), live_part(g)
-        entropy_l, grad_entropy_l = live_part(entropy), live_part(grad_entropy)
-        grad_weight = None
-        if need_weight:  # written slab by slab, every row of it; zero where no token had a gradient
-            grad_weight = (torch.empty if n_live else torch.zeros)(weight.shape, dtype=weight.dtype, device=weight.device)
-        grad_hidden32 = torch.zeros(n_live, hidden.shape[1], dtype=torch.float32, device=hidden.device) if need_hidden else None
-        gemms = _HeadGemms(weight)
-        vocab = weight.shape[0]
-        step = slab_columns(n_live, hidden.shape[1], vocab, ctx.chunk_tokens)
-        for v0 in range(0, vocab if n_live else 0, step):
-            v1 = min(vocab, v0 + step)
-            logits = gemms.slab_logits(hidden_l, v0, v1)
-            # targets shifted into the slab's columns: a target outside them adds no one-hot term
-            ctx.impl.backward(logits, targets_l - v0, lse_l, g_l, entropy_l, grad_entropy_l,
-                              ctx.inv_temperature, out=logits)
-            gemms.slab_grads(logits, hidden_l, v0, v1, grad_weight, grad_hidden32)
-            del logits
-        grad_hidden = None
-        if need_hidden:
-            grad_hidden = grad_hidden32.to(hidden.dtype) if every_row else torch.zeros_like(hidden).index_copy_(
-                0, rows, grad_hidden32.to(hidden.dtype))
+        grad_hidden, grad_weight = slab_backward(
+            hidden, weight, targets, lse, merge_grads(targets, grad_logp), entropy, grad_entropy,
+            ctx.inv_temperature, ctx.chunk_tokens, ctx.impl, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
 class LMHeadObjective(torch.autograd.Function):
     """hidden, weight -> (loss, stats vector, logp, entropy) of the objective, gradients computed
-    chunk by chunk DURING the forward: the per-token objective gives d loss / d logp_i from token i
-    alone, so each chunk's dlogits is known as soon as its logits are, and no recomputation is
-    needed (3 matmuls, as a plain forward + backward, instead of 4). Backward only scales them.
+    DURING the forward: the per-token objective gives d loss / d logp_i from token i alone, so every
+    g_i is known once the chunked forward has run. grads_by_slabs: the slab backward
+    (slab_backward) then runs inside the forward; else each chunk's dlogits and gradients are
+    computed as soon as its logits are (3 matmuls, no recomputation, an fp32 [V, H] accumulator;
+    the module's docstring weighs the two). Backward only scales them.
 
     All per-token inputs are flat [N] fp32 (adv per token); objective_fn(logp, logp_alpha, logp_k,
     logp_ref, adv, weights, cfg, block) -> (loss, stats vector, grad_logp) is the fused kernel
@@ -261,16 +279,20 @@ class LMHeadObjective(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg,
-                inv_temperature, chunk_tokens, impl: LogprobImpl, objective_fn, loss_block, with_entropy):
+                inv_temperature, chunk_tokens, impl: LogprobImpl, objective_fn, loss_block, with_entropy,
+                grads_by_slabs):
         from .contract import merge_stat_vectors
 
         n_rows = hidden.shape[0]
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        by_slabs = grads_by_slabs and (need_hidden or need_weight)
+        in_chunks = not grads_by_slabs and (need_hidden or need_weight)
+        grad_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device) if in_chunks and need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if in_chunks and need_weight else None
         f32 = dict(dtype=torch.float32, device=hidden.device)
         logp = torch.empty(n_rows, **f32)
         entropy = torch.empty(n_rows, **f32) if with_entropy else None
+        lse, g = (torch.empty(n_rows, **f32), torch.empty(n_rows, **f32)) if by_slabs else (None, None)
         loss, stats = None, None
         gemms = _HeadGemms(weight)
 
@@ -289,15 +311,21 @@ class LMHeadObjective(torch.autograd.Function):
             loss = loss_c if loss is None else loss + loss_c
             stats = merge_stat_vectors(stats, stats_c)
             g_c = torch.where(targets[c0:c1] >= 0, g_c, 0.0).contiguous()
-            impl.backward(logits, targets[c0:c1], lse_c, g_c, None, None, inv_temperature, out=logits)
-            if need_hidden:
-                gemms.grad_hidden(logits, out=grad_hidden[c0:c1])
-            if need_weight:
-                gemms.accumulate_grad_weight(grad_weight, logits, hidden_c)
+            if by_slabs:
+                lse[c0:c1], g[c0:c1] = lse_c, g_c
+            elif in_chunks:
+                impl.backward(logits, targets[c0:c1], lse_c, g_c, None, None, inv_temperature, out=logits)
+                if need_hidden:
+                    gemms.grad_hidden(logits, out=grad_hidden[c0:c1])
+                if need_weight:
+                    gemms.accumulate_grad_weight(grad_weight, logits, hidden_c)
             del logits
         if loss is None:  # no rows (an empty micro-batch): a zero loss that still reaches the graph
             loss, stats, _ = objective_fn(logp, logp_alpha, logp_k, logp_ref, adv, weights, cfg, loss_block)
-        if need_weight and weight.dtype != torch.float32:
+        if by_slabs:
+            grad_hidden, grad_weight = slab_backward(hidden, weight, targets, lse, g, None, None, inv_temperature,
+                                                     chunk_tokens, impl, need_hidden, need_weight)
+        elif need_weight and weight.dtype != torch.float32:
             grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
         outputs = (stats, logp) + ((entropy,) if with_entropy else ())
@@ -316,4 +344,4 @@ class LMHeadObjective(torch.autograd.Function):
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
                 grad.mul_(grad_loss.to(grad.dtype))
-        return (grad_hidden, grad_weight) + (None,) * 13
+        return (grad_hidden, grad_weight) + (None,) * 14

@@ -203,7 +203,10 @@ def step_parity(args) -> dict:
     from grpo import kernel_dispatch, objective
 
     s, device, out, worst = _sizes(args.smoke), _device(args.smoke), {}, 0.0
-    triton_cfg, torch_cfg = kernels.KernelConfig(backend="triton"), kernels.KernelConfig(backend="torch")
+    # The torch side computes lm_head_objective's gradients by token chunks, the Triton side by the
+    # device's plan (vocabulary slabs on CUDA): the two plans checked against each other too.
+    triton_cfg = kernels.KernelConfig(backend="triton")
+    torch_cfg = kernels.KernelConfig(backend="torch", objective_grads="chunks")
     for dtype in (torch.float32, torch.bfloat16):
         for n in s["parity_tokens"]:
             g = torch.Generator(device=device).manual_seed(n)

@@ -83,9 +83,11 @@ def test_lm_head_bad_inputs():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss_name", ["grpo", "rec_twoside_is"])
-def test_lm_head_objective_matches_logprobs_then_objective(backend, loss_name):
-    # Gradients computed during the forward (no recompute) equal autograd through the naive head
-    # followed by grpo.objective.objective; the loss is scaled by 3 to check the backward's rescale.
+@pytest.mark.parametrize("grads", ["slabs", "chunks"])
+def test_lm_head_objective_matches_logprobs_then_objective(backend, loss_name, grads):
+    # Gradients computed during the forward (by vocabulary slabs, or by token chunks with no
+    # recompute) equal autograd through the naive head followed by grpo.objective.objective; the
+    # loss is scaled by 3 to check the backward's rescale.
     from grpo.kernel_dispatch import objective_fn_for
     from grpo.objective import ObjectiveConfig, objective
 
@@ -107,7 +109,7 @@ def test_lm_head_objective_matches_logprobs_then_objective(backend, loss_name):
 
     loss, stats, logp, entropy = kernels.lm_head_objective(
         hidden, weight, targets, logp_alpha, logp_k, logp_ref, adv, weights, cfg, temperature=0.8, chunk_tokens=16,
-        backend=backend, config=SMALL, with_entropy=True,
+        backend=backend, config=KernelConfig(rows_per_program=8, block_v=128, objective_grads=grads), with_entropy=True,
         objective_fn=objective_fn_for(hidden.device, KernelConfig(backend=backend)))
     grads = torch.autograd.grad(3 * loss, (hidden, weight))
     want_loss, want_stats = objective(naive(hidden, weight, targets, 0.8)[0], logp_alpha, logp_k, logp_ref, adv,
@@ -122,6 +124,47 @@ def test_lm_head_objective_matches_logprobs_then_objective(backend, loss_name):
     assert want_stats["clip_low_sum"] + want_stats["clip_high_sum"] > 0
     for g, w in zip(grads, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("grads", ["slabs", "chunks"])
+def test_lm_head_objective_in_bf16_matches_the_fp32_head_of_the_same_values(grads):
+    """bf16 hidden and weight: each plan's gradients against autograd through an fp32 naive head of
+    the same (bf16-valued) numbers, within bf16's rounding of the gradients themselves."""
+    from grpo.kernel_dispatch import objective_with_grad
+    from grpo.objective import ObjectiveConfig, objective
+
+    torch.manual_seed(11)
+    n_tokens, hidden_size, vocab = 50, 32, 700
+    hidden = torch.randn(n_tokens, hidden_size).bfloat16().requires_grad_()
+    weight = (torch.randn(vocab, hidden_size) / 6).bfloat16().requires_grad_()
+    targets = torch.randint(0, vocab, (n_tokens,))
+    targets[:5] = -100
+    zeros, adv, weights = torch.zeros(n_tokens), torch.randn(n_tokens), torch.rand(n_tokens)
+    weights[:5] = 0.0
+    cfg = ObjectiveConfig(loss="reinforce")
+    loss, _, _, _ = kernels.lm_head_objective(hidden, weight, targets, zeros, None, None, adv, weights, cfg,
+                                              temperature=0.7, chunk_tokens=16, backend="torch",
+                                              config=KernelConfig(objective_grads=grads),
+                                              objective_fn=objective_with_grad)
+    got = torch.autograd.grad(loss, (hidden, weight))
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    want_loss, _ = objective(naive(h32, w32, targets, 0.7)[0], zeros, None, None, adv, weights, cfg)
+    want = torch.autograd.grad(want_loss, (h32, w32))
+    torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w, atol=1e-4, rtol=1.6e-2)
+
+
+def test_lm_head_objective_auto_plan_is_slabs_on_cuda_and_chunks_elsewhere():
+    from kernels import _grads_by_slabs
+
+    assert _grads_by_slabs(KernelConfig(), torch.device("cuda", 0))
+    assert not _grads_by_slabs(KernelConfig(), torch.device("cpu"))
+    assert _grads_by_slabs(KernelConfig(objective_grads="slabs"), torch.device("cpu"))
+    assert not _grads_by_slabs(KernelConfig(objective_grads="chunks"), torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="objective_grads"):
+        KernelConfig(objective_grads="tokens")
 
 
 def test_lm_head_objective_backward_twice_is_refused():
@@ -256,6 +299,19 @@ def test_the_weight_gradient_is_written_slab_by_slab_without_a_full_accumulator(
         logp.sum().backward()
     full = [name for name, shape in mode.outputs if shape == (vocab, hidden_size) and "detach" not in name]
     assert full == ["aten.empty.memory_format"], full  # the gradient's own allocation, then only its slabs
+
+    # lm_head_objective by slabs: the same single [V, H] allocation, inside its forward
+    from grpo.kernel_dispatch import objective_with_grad
+    from grpo.objective import ObjectiveConfig
+
+    ones = torch.ones(n_tokens)
+    with Shapes() as objective_mode:
+        loss, _, _, _ = kernels.lm_head_objective(
+            hidden, weight, targets, torch.zeros(n_tokens), None, None, ones, ones, ObjectiveConfig(loss="reinforce"),
+            chunk_tokens=16, backend="torch", config=KernelConfig(objective_grads="slabs"),
+            objective_fn=objective_with_grad)
+    full = [name for name, shape in objective_mode.outputs if shape == (vocab, hidden_size) and "detach" not in name]
+    assert full == ["aten.empty.memory_format"], full
     slabs = {shape[1] for name, shape in mode.outputs if len(shape) == 2 and shape[0] == n_tokens and shape[1] > hidden_size}
     assert max(slabs) < vocab and len(slabs) >= 1  # dlogits by slabs of the vocabulary, never [N, V]
     assert kernels.lm_head.slab_columns(n_tokens, hidden_size, vocab, 16) * (6 * n_tokens + 4 * hidden_size) \
