@@ -9,7 +9,7 @@ Two uses of the same forward:
 - `policy(input_ids, index, tokens)` -> (logp, entropy): pi_ref's log-probs (no grad);
 - `policy(input_ids, index, tokens, objective=ObjectiveInputs(...))` -> PolicyOutput with the loss
   of eq. 6/7 on those tokens, through `kernels.lm_head_objective`: the LM head and the objective in
-  one chunked pass that computes the gradients during the forward (no recomputation),
+  one call that computes the gradients during the forward (kernels.KernelConfig.objective_grads),
   on CUDA with the fused Triton loss kernel, on CPU with grpo.objective's torch maths.
 """
 from __future__ import annotations

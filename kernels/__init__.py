@@ -67,10 +67,10 @@ class KernelConfig:
     forward_loop: Literal["lanewise", "blockwise"] = "lanewise"
     loss_block: int = 1024  # tokens per Triton program of the loss kernel (power of 2)
     # How lm_head_objective computes its gradients (kernels/lm_head.py weighs the two): "slabs"
-    # (4 GEMMs, each weight-gradient slab final after one GEMM over every token: 0.8x naive's time
-    # and 0.05x its memory on an H200 at Qwen2.5-0.5B sizes), "chunks" (3 GEMMs, an fp32 [V, H]
-    # accumulator that each token chunk reads and writes: 1.5x and 0.16x there); "auto": slabs on
-    # CUDA, chunks elsewhere (a CPU pays for flops, not for the accumulator's traffic).
+    # (4 GEMMs, each weight-gradient slab final after one GEMM over every token: 1.21x the naive
+    # head's time and 0.046x its memory on an H200 at Qwen2.5-0.5B sizes), "chunks" (3 GEMMs, an
+    # fp32 [V, H] accumulator that each token chunk reads and writes: 1.57x and 0.158x there);
+    # "auto": slabs on CUDA, chunks elsewhere (a CPU pays for flops, not for the accumulator).
     objective_grads: Literal["auto", "slabs", "chunks"] = "auto"
 
     def __post_init__(self):

@@ -26,12 +26,14 @@ logp alone, knows every g_i at the end of its forward and computes the gradients
 two plans (`objective_grads`):
   "slabs"   the chunked forward gives every token's g and lse, then the slab backward above runs
             inside the forward: 4 GEMMs, each slab of the weight gradient final after one large
-            GEMM, no [V, H] accumulator. On an H200 at Qwen2.5-0.5B sizes: 0.8x the naive path's
-            time and 0.05x its memory above the gradients (docs/benchmarks/gpu-h200.md).
+            GEMM, no [V, H] accumulator. On an H200 at Qwen2.5-0.5B sizes (bf16, 2048 tokens):
+            1.21x the naive head's time and 0.046x its memory above the gradients
+            (docs/benchmarks/gpu-h200.md).
   "chunks"  dlogits of each token chunk as soon as its logits exist: 3 GEMMs, but each chunk's
             weight-gradient GEMM (K = chunk_tokens) reads and writes a whole fp32 [V, H]
-            accumulator (519 MB at 0.5B sizes): 1.4-1.5x naive's time and 0.16x its memory on the
-            H200; on a CPU, where the GEMMs' flops are the cost, the saved GEMM is worth more.
+            accumulator (519 MB at 0.5B sizes): 1.57x and 0.158x in the same run. On a CPU, where
+            the GEMMs' flops are the cost, the saved GEMM is worth more (0.68x the slabs' time at
+            SmolLM2-135M sizes on 2 AVX2 cores).
 
 Numerics: logits are always fp32, whatever the weights' dtype. bf16 logits have a rounding step of
 0.125 at |z| ~ 16-32; divided by the paper's temperature 0.1 that is up to ~0.6 nat of log-prob

@@ -756,7 +756,7 @@ def status_row(reports: list[tuple[dict, str]]) -> str:
     passed: dict[str, list[str]] = {}
     for name, (status, _, report, link) in latest.items():
         if status == "passed" and name in PROVES:
-            where = f"at {report.get('commit') or 'an unrecorded commit'}, [report]({link})"
+            where = f"at {(report.get('commit') or '')[:7] or 'an unrecorded commit'}, [report]({link})"
             passed.setdefault(where, []).append(PROVES[name])
     parts = [f"{head}: passed: " + ("; ".join(f"{'; '.join(what)} ({where})" for where, what in passed.items())
                                      or "nothing")]

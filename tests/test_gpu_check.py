@@ -111,7 +111,7 @@ def test_a_step_not_run_is_never_reported_as_proved():
     assert "FAILED: push (timeout after 240 s)" in row and "(at abc1234, [report](docs/benchmarks/gpu-h200/r.json))" in row
     # a later report that ran the push replaces the failure; one that did not run parity keeps the pass
     later = _report(push=("passed", None), parity=("not run", "not chosen (--only)"))
-    later["commit"] = "def5678"
+    later["commit"] = "def5678" + "9" * 33  # a full hash (--commit $(git rev-parse HEAD)) reads as 7
     row = gpu_check.status_row([(report, "a.json"), (later, "b.json")])
     assert "FAILED" not in row and f"{gpu_check.PROVES['push']} (at def5678, [report](b.json))" in row
     assert f"{gpu_check.PROVES['parity']}; {gpu_check.PROVES['fsdp']} (at abc1234, [report](a.json))" in row

@@ -274,6 +274,18 @@ def test_bandwidth_bench_smoke(tmp_path):
             assert r["ok"] and r["seconds"] > 0 and set(r["max_rel_diff"]) >= {"logp", "lse"}
 
 
+def test_the_bandwidth_bench_names_the_trainers_launch_as_its_default():
+    """The variant labelled "(default)" is the launch kernels.KernelConfig() gives a GPU (it was a
+    fixed block-wise launch, left so after the lane-wise loop became the default), and it runs first."""
+    bench = load_bandwidth_bench()
+    named = bench.variants(smoke=False)
+    defaults = [(name, launch) for name, launch in named if name.endswith("(default)")]
+    assert len(defaults) == 1 and named[0] == defaults[0]
+    launch = {**bench.LAUNCH_DEFAULTS, **defaults[0][1]}
+    assert launch == {**bench.LAUNCH_DEFAULTS, **kernels._logprob_impl(KernelConfig(), torch.device("cuda"), bench.V).forward_launch}
+    assert launch["lanewise"] and launch["prefetch"] and defaults[0][0].startswith("lane+prefetch")
+
+
 def test_bandwidth_bench_flags_a_variant_off_the_reference(tmp_path, monkeypatch):
     bench = load_bandwidth_bench()
     monkeypatch.setattr(bench, "variants", lambda smoke: [("block", dict(rows_per_program=2, block_v=64, num_warps=4))])
