@@ -132,21 +132,30 @@ def t_quantile(p: float, df: int) -> float:
     return (lo + hi) / 2
 
 
-def noncentral_t_sf(c: float, df: int, ncp: float) -> float:
-    """P(T > c) for T = (Z + ncp) / sqrt(V / df), Z standard normal, V chi-square(df): the integral
-    over u = sqrt(V) of the chi density times P(Z > c u / sqrt(df) - ncp), by Simpson's rule."""
+@functools.lru_cache(maxsize=None)
+def _chi_grid(df: int) -> tuple[tuple[float, float], ...]:
+    """Simpson's nodes of noncentral_t_sf's integral for df: (weight x h / 3 x chi density at u,
+    u / sqrt(df)), u = sqrt(V) on [0, sqrt(df) + 12]. The same for every c and ncp, so computed
+    once per df (a power search evaluates thousands of (c, ncp) at a handful of df)."""
     log_norm = (1 - df / 2) * math.log(2) - math.lgamma(df / 2)
     top = math.sqrt(df) + 12.0
     n = 600
     h = top / n
-    total = 0.0
+    nodes = []
     for j in range(n + 1):
         u = j * h
         density = 0.0 if u == 0 else math.exp(log_norm + (df - 1) * math.log(u) - u * u / 2)
-        total += (1 if j in (0, n) else 4 if j % 2 else 2) * density * normal_cdf(ncp - c * u / math.sqrt(df))
-    return total * h / 3
+        nodes.append(((1 if j in (0, n) else 4 if j % 2 else 2) * density * h / 3, u / math.sqrt(df)))
+    return tuple(nodes)
 
 
+def noncentral_t_sf(c: float, df: int, ncp: float) -> float:
+    """P(T > c) for T = (Z + ncp) / sqrt(V / df), Z standard normal, V chi-square(df): the integral
+    over u = sqrt(V) of the chi density times P(Z > c u / sqrt(df) - ncp), by Simpson's rule."""
+    return sum(w * normal_cdf(ncp - c * x) for w, x in _chi_grid(df) if w)
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of numbers; the report asks the same ones per sweep
 def power(n: int, sd: float, effect: float, threshold: float, level: float) -> float:
     """The chance that the two-sided `level` t interval of the mean of n paired differences lies
     above `threshold` when the differences have mean `effect` and standard deviation `sd`."""

@@ -970,6 +970,7 @@ def _name(pid: int) -> str:
         return ""
 
 
+@pytest.mark.vllm  # no engine, but vLLM's import and config resolution: ~8 s, not a quick test
 def test_vllm_chooses_the_executor_on_gpu_and_a_cpu_engine_gets_the_in_process_one(tmp_path):
     """The in-process executor is a UniProcExecutor, right for one device only: on GPU vLLM picks its
     own (one GPU: the model in the engine core; tensor parallelism: a worker per GPU), and engine
@@ -988,6 +989,7 @@ def test_vllm_chooses_the_executor_on_gpu_and_a_cpu_engine_gets_the_in_process_o
     assert cpu.distributed_executor_backend == EXECUTOR and cpu.tensor_parallel_size == 1
 
 
+@pytest.mark.vllm  # no engine, but vLLM's import and config resolution: ~8 s, not a quick test
 def test_the_launched_server_runs_its_lm_head_in_fp32_by_default(tmp_path):
     """The trainer's logits are fp32; vLLM computes a generation model's in the model's dtype unless
     hf_overrides says head_dtype. The launched server's command carries --head-dtype float32 by
