@@ -139,10 +139,15 @@ class WorkerPool:
         self.total_timeouts = 0  # over the pool's life, for logging
         self._workers: list[_Worker] = [_Worker(sources, setups, cfg) for _ in range(workers)]
         self._inline = workers == 0
+        # One caller at a time: a message on a worker's pipe carries a key into its caller's task
+        # list, so two callers at once (the asynchronous sampler's thread per server) would read each
+        # other's results, and one would wait forever for a result the other took.
+        self._one_caller = threading.Lock()
 
     def run(self, tasks: list[tuple[str, Any]]) -> list[Result]:
-        results = self._run_inline(tasks) if self._inline else self._run_pool(tasks)
-        self.total_timeouts += sum(status == "timeout" for _, status, _ in results)
+        with self._one_caller:
+            results = self._run_inline(tasks) if self._inline else self._run_pool(tasks)
+            self.total_timeouts += sum(status == "timeout" for _, status, _ in results)
         return results
 
     def wait_ready(self) -> None:

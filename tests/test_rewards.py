@@ -199,6 +199,37 @@ def test_killed_worker_is_replaced(scorer):
     assert victim.pid not in {w.process.pid for w in scorer.pool._workers}
 
 
+def test_two_threads_scoring_at_once_each_get_their_own_results():
+    """The asynchronous sampler scores from one thread per server through the run's one scorer.
+    Before, two callers shared the workers' pipes unguarded: one read the other's results (another
+    batch's rewards, or a key past its own list) and the other waited forever for a result already
+    taken (an async run on two servers hung in its close, its last sampler blocked in recv)."""
+    import threading
+
+    n = 24
+    cases = {"right": [str(i) for i in range(n)], "wrong": [str(i + 1) for i in range(n)]}
+    texts = [f"so \\boxed{{{i}}}" for i in range(n)]
+    got: dict[str, list] = {name: [] for name in cases}
+
+    def score_repeatedly(name):
+        try:
+            for _ in range(6):
+                got[name].append(score(shared, texts, cases[name])[1]["correct"])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            got[name].append(e)
+
+    with RewardScorer(RewardConfig(workers=1, timeout_s=TIMEOUT_S)) as shared:
+        shared.wait_ready()
+        threads = [threading.Thread(target=score_repeatedly, args=(name,), daemon=True) for name in cases]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a caller is still waiting for its results"
+    assert got["right"] == [[1.0] * n] * 6, got["right"]
+    assert got["wrong"] == [[0.0] * n] * 6, got["wrong"]
+
+
 def test_close_ends_workers():
     s = RewardScorer(RewardConfig(workers=2))
     s.wait_ready()
