@@ -227,11 +227,6 @@ def hand_started(tiny, tmp_path_factory):
     token.write_text(secrets.token_urlsafe(24) + "\n")
     token.chmod(0o600)
     procs, port_files = [], []
-    # Each engine's OpenMP threads on cores of their own (docs/layouts.md's recipe): two engines
-    # bound to the same cores take turns at every barrier, and beside another test's processes on
-    # a 2-core machine the 4-step async run below took 662 s instead of ~66 s.
-    usable = sorted(os.sched_getaffinity(0))
-    halves = [usable[: max(1, len(usable) // 2)], usable[max(1, len(usable) // 2):] or usable[-1:]]
     for i in range(2):
         (tmp_path / f"w{i}").mkdir(mode=0o700)
         port_files.append(tmp_path / f"port{i}")
@@ -240,8 +235,7 @@ def hand_started(tiny, tmp_path_factory):
              "--weights-root", str(tmp_path / f"w{i}"), "--token-file", str(token), "--dtype", "float32",
              "--max-model-len", "256", "--enforce-eager", "--port-file", str(port_files[i]),
              "--parent-pid", str(os.getpid())],
-            cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
-                           "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, halves[i]))}, stdout=subprocess.DEVNULL,
+            cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=subprocess.DEVNULL,
             stderr=open(tmp_path / f"server{i}.log", "wb"), start_new_session=True))
     try:
         urls = []
