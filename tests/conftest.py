@@ -30,59 +30,6 @@ def tier(item) -> str:
 # A file with a vLLM or child-process test runs whole on one pytest-xdist worker, so that its
 # module-scoped servers and reference runs start once. A test that shares none of them may name a
 # group of its own (@pytest.mark.xdist_group("...")) and go to whichever worker is free.
-#
-# The grouping is done here, not by xdist's own loadgroup: xdist 3.8 tells its scheduler a test's
-# group by appending "@group" to item._nodeid, and pytest 9.2 derives nodeid from a structured id
-# instead, so every mark was silently ignored (pytest-xdist issue 1386) and a module's tests, with
-# their module-scoped servers, ran on both workers. Each worker writes every test's group to the
-# file GROUPS_ENV names (the controller sets it before the workers start); the controller's
-# scheduler reads it once every worker has collected.
-GROUPS_ENV = "GRPO_TEST_GROUPS_FILE"
-
-
-def _group_of(item):
-    mark = item.get_closest_marker("xdist_group")
-    if mark is None:
-        return None
-    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-
-
-def pytest_configure(config):
-    if not hasattr(config, "workerinput") and config.getoption("dist", "no") == "loadgroup":
-        import tempfile
-
-        fd, path = tempfile.mkstemp(prefix="grpo-test-groups-", suffix=".json")
-        os.close(fd)
-        os.environ[GROUPS_ENV] = config._grpo_groups_file = path
-
-
-def pytest_unconfigure(config):
-    path = getattr(config, "_grpo_groups_file", None)
-    if path:
-        os.environ.pop(GROUPS_ENV, None)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """--dist loadgroup: xdist's scope scheduling, each test's scope its group (see above)."""
-    if config.getoption("dist", "no") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByGroup(LoadScopeScheduling):
-        groups = None
-
-        def _split_scope(self, nodeid):
-            if ByGroup.groups is None:  # first asked once every worker has collected (and written)
-                import json
-
-                ByGroup.groups = json.loads(open(config._grpo_groups_file).read() or "{}")
-            return ByGroup.groups.get(nodeid) or nodeid
-
-    return ByGroup(config, log)
 
 
 @__import__("pytest").hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
@@ -113,15 +60,6 @@ def pytest_collection_modifyitems(config, items):
     for item, module in zip(items, modules):
         if item.get_closest_marker("xdist_group") is None and heaviest[module] != quick:
             item.add_marker(pytest.mark.xdist_group(module.__name__))
-    groups_file = os.environ.get(GROUPS_ENV)
-    if groups_file and hasattr(config, "workerinput"):  # for the controller's scheduler (see above)
-        import json
-
-        groups = {item.nodeid: "@" + group for item in items if (group := _group_of(item)) is not None}
-        partial = f"{groups_file}.{os.getpid()}"
-        with open(partial, "w") as f:
-            json.dump(groups, f)
-        os.replace(partial, groups_file)  # the workers collect the same tests: either file will do
 
     def key(index):
         module = modules[index]

@@ -5,8 +5,6 @@ so a new test is placed right before anyone times the tiers."""
 import ast
 from pathlib import Path
 
-import pytest
-
 TESTS = Path(__file__).resolve().parent
 
 
@@ -74,43 +72,3 @@ def test_the_budget_names_the_slow_tests_that_do_not_say_why():
     durations = {"a": 61.0, "b": 200.0, "c": 59.0, "d": 90.0}
     says = {"a": False, "b": False, "c": False, "d": True}
     assert conftest.unexplained(durations, says) == [(200.0, "b"), (61.0, "a")]
-
-
-@pytest.mark.torchrun
-def test_a_file_with_a_child_process_test_runs_whole_on_one_worker(tmp_path):
-    """`make test`'s distribution, run for real (pytest -n 2 --dist loadgroup on a scratch suite
-    that uses this conftest): every test of a file holding a torchrun test runs on one worker (its
-    module servers start once); an all-quick file's tests go to both. Before, the grouping rode on
-    xdist renaming each test "<id>@<group>", which pytest 9.2 ignores, and both files spread over
-    both workers (pytest-xdist issue 1386)."""
-    import subprocess
-    import sys
-
-    suite = tmp_path / "tests"
-    suite.mkdir()
-    (suite / "conftest.py").write_text(
-        "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('grpo_tests_conftest', {str(TESTS / 'conftest.py')!r})\n"
-        "mod = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(mod)\n"
-        "globals().update({k: v for k, v in vars(mod).items() if k.startswith('pytest_')})\n")
-    record = tmp_path / "ran"
-    body = (f"    time.sleep(0.2)\n    open({str(record)!r}, 'a').write(NAME + ' ' + str(i) + ' '"
-            " + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n")
-    (suite / "test_heavy.py").write_text(
-        "import os, time, pytest\nNAME = 'heavy'\n"
-        "@pytest.mark.torchrun\ndef test_child(i=0):\n" + body +
-        "@pytest.mark.parametrize('i', range(1, 6))\ndef test_quick(i):\n" + body)
-    (suite / "test_light.py").write_text(
-        "import os, time, pytest\nNAME = 'light'\n@pytest.mark.parametrize('i', range(8))\ndef test_quick(i):\n" + body)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    quick: q\n    torchrun: t\n    vllm: v\n"
-                                         "    last_in_module: l\n")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder",
-                           "-q", "-p", "no:cacheprovider", "tests"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    workers: dict[str, set] = {"heavy": set(), "light": set()}
-    for line in record.read_text().splitlines():
-        name, _, worker = line.split()
-        workers[name].add(worker)
-    assert len(workers["heavy"]) == 1, workers
-    assert workers["light"] == {"gw0", "gw1"}, workers
