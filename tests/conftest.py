@@ -27,9 +27,10 @@ def tier(item) -> str:
     return "quick"
 
 
-# A file with a vLLM or child-process test runs whole on one pytest-xdist worker, so that its
-# module-scoped servers and reference runs start once. A test that shares none of them may name a
-# group of its own (@pytest.mark.xdist_group("...")) and go to whichever worker is free.
+# A file with a vLLM or child-process test is marked as one xdist_group, meant to run whole on one
+# worker so that its module-scoped servers and reference runs start once. pytest-xdist 3.8 ignores
+# the marks under pytest 9.2 (it renames item._nodeid, which pytest 9.2 no longer reads: issue
+# 1386), so today the tests spread over the workers one by one.
 
 
 @__import__("pytest").hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
