@@ -842,6 +842,47 @@ def test_startup_timeout_shows_log_tail(tmp_path):
     assert (tmp_path / "run" / "server" / "token").read_text() not in log  # the token is never logged
 
 
+@pytest.mark.torchrun  # starts real server processes (none gets as far as its engine)
+def test_a_launch_survives_deaths_while_it_starts_and_stops_at_a_refusal(tmp_path, capfd):
+    """Deaths close together at a launch, as the chaos soak threw them at a resumed run: its server
+    killed as it started, then its engine as the next start came up. A start was tried twice, and
+    the run ended ("exited with code 3 during start-up"). Here the first two children are SIGKILLed
+    as they bind their port, and before the second dies the weights root is made group-writable, so
+    the third refuses it and exits 2: a refusal, which a fourth start would repeat. The launch
+    raises that refusal, after three starts and no fourth."""
+    import psutil
+
+    model_dir = make_tiny_model_dir(tmp_path / "model", seed=0)
+    cfg = ServerConfig(startup_timeout_s=240.0, weights_root=str(tmp_path / "w"))
+    port_file = tmp_path / "run" / "server" / "port"
+    killed: list[int] = []
+
+    def kill_two():
+        deadline = time.monotonic() + 240
+        while len(killed) < 2 and time.monotonic() < deadline:
+            # a start removes the port file before it spawns its child: one there now is the new child's
+            child = [c for c in psutil.Process().children() if c.pid not in killed
+                     and "grpo.serving.server" in " ".join(c.cmdline())]
+            if child and port_file.is_file() and port_file.read_text().strip():
+                if killed:  # what the next start refuses (this child has passed its check)
+                    args = child[0].cmdline()
+                    os.chmod(args[args.index("--weights-root") + 1], 0o770)
+                killed.append(child[0].pid)
+                os.kill(child[0].pid, signal.SIGKILL)
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_two, daemon=True)
+    killer.start()
+    with pytest.raises(ServerUnavailableError, match=r"(?s)exited with code 2 during start-up.*writable by group"):
+        InferenceServer.launch(model_dir, cfg, tmp_path / "run")
+    killer.join()
+    assert len(killed) == 2
+    log = (tmp_path / "run" / "server" / "server.log").read_text()
+    assert log.count("starting grpo.serving.server") == 3
+    err = capfd.readouterr().err
+    assert err.count("inference server failed") == 2 and err.count("exited with code -9 during start-up") == 2
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -1447,12 +1488,13 @@ def _largest_scores_together(server, prompt, temperature: float):
     return together
 
 
-def _loaded(server, version: int, state_dict: dict, keep_requests: bool) -> dict:
+def _loaded(server, version: int, state_dict: dict, keep_requests: bool, weights_dir=None) -> dict:
     """The second half of a push (server.push writes first): the server loads an already written
-    version, swapping the weights under in-flight generates when keep_requests."""
+    version (written here unless weights_dir is given), swapping the weights under in-flight
+    generates when keep_requests."""
     import concurrent.futures
 
-    weights_dir = server.write(state_dict, version, step=version)
+    weights_dir = weights_dir or server.write(state_dict, version, step=version)
     expected = concurrent.futures.Future()
     expected.set_result(server._moments(state_dict))
     server.inflight_updates = keep_requests
@@ -1477,6 +1519,9 @@ def test_a_push_that_keeps_requests_swaps_the_weights_under_a_generation_each_to
     T = 0.7
     old_sd, new_sd = _perturbed(tiny["hf"], seed=31), _perturbed(tiny["hf"], seed=32)
     old = _push_next(server, old_sd)
+    # Written before the generation starts: only the load lands inside it (a write on a loaded machine
+    # took longer than the generation, which ended before the push and swapped nothing).
+    new_dir = server.write(new_sd, old + 1, step=old + 1)
     prompts = tiny["prompt_ids"] * 2
     body = {"prompt_token_ids": prompts, "n": 4, "max_tokens": 200, "temperature": T, "inflight_updates": True}
     with ThreadPoolExecutor(1) as pool:
@@ -1485,12 +1530,14 @@ def test_a_push_that_keeps_requests_swaps_the_weights_under_a_generation_each_to
         while server.load()["requests"] == 0:  # in the engine (its 16 sequences)
             assert not running.done() and time.monotonic() - t0 < 60, "the generation never reached the engine"
             time.sleep(0.05)
-        time.sleep(0.5)  # some tokens on the old weights
-        reply = _loaded(server, old + 1, new_sd, keep_requests=True)
-        pushed_at = time.monotonic() - t0
-        assert not running.done(), "the generation ended before the push: nothing was swapped under it"
+        started_s = time.monotonic() - t0
+        time.sleep(0.2)  # some tokens on the old weights
+        reply = _loaded(server, old + 1, new_sd, keep_requests=True, weights_dir=new_dir)
+        pushed_s = time.monotonic() - t0
         out = running.result(timeout=300)
-    print(f"push with keep_requests landed {pushed_at:.2f} s into the generation, took {reply['seconds']:.2f} s")
+        ended_s = time.monotonic() - t0
+    print(f"generation in the engine {started_s:.2f} s, push landed {pushed_s:.2f} s (its load took "
+          f"{reply['seconds']:.2f} s), generation ended {ended_s:.2f} s")
     assert out["weights_version"] == old  # what it started on
     completions = [c for per_prompt in out["completions"] for c in per_prompt]
     pairs = [(prompts[j // 4], c["token_ids"]) for j, c in enumerate(completions)]
@@ -1501,7 +1548,8 @@ def test_a_push_that_keeps_requests_swaps_the_weights_under_a_generation_each_to
             len(spans) == 2 and spans[0][:2] == [old, 0] and spans[1] == [old + 1, spans[0][2], n]), spans
         if len(spans) == 2:
             split.append(j)
-    assert split, "no completion spans the push"
+    assert split, (f"no completion spans the push: the generation ran {started_s:.2f}-{ended_s:.2f} s, "
+                   f"the push landed at {pushed_s:.2f} s")
     print(f"{len(split)} of {len(completions)} completions span versions {old} and {old + 1}")
     scored_new = server.score(pairs, temperature=T)
     assert scored_new.weights_version == old + 1

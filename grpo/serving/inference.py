@@ -11,7 +11,7 @@ hashed with server.weights_hash) -> load -> check the engine's fingerprint -> pr
 dead server: a launched child that died is restarted, the weights it served re-pushed (none
 before the first push: a fresh server serves the model directory as version 0, which is what it
 served), and the request retried (through RESTARTS deaths); a child that dies while it starts is
-started once more. A request the server refuses (4xx) is raised as it is, and a stopped server is
+started again (through RESTARTS deaths too). A request the server refuses (4xx) is raised as it is, and a stopped server is
 never started again. Calls may come from several threads at once (the asynchronous sampler's
 beside the trainer's pushes): a death seen by two of them restarts the child once.
 """
@@ -39,7 +39,7 @@ from grpo.fsutil import owned_dir
 from grpo.serving.client import (TOKEN_ENV, GenerationResult, InferenceClient, InferenceServerError, ScoreResult,
                                  ServerUnavailableError, attach)
 from grpo.serving.fingerprint import fingerprint_mismatches, pushed_moments, unseen_by_fingerprint
-from grpo.serving.supervisor import ServerProcess, StartupTimeout
+from grpo.serving.supervisor import REFUSED_EXIT, ServerProcess, StartupTimeout
 from grpo.serving.weights_dir import prune_weights
 from grpo.serving.weights_writer import write_weights
 
@@ -496,17 +496,23 @@ class InferenceServer:
                 self._load(*self._served)
 
     def _start(self, port: int) -> None:
-        """Start the child and wait for its health; a child that dies while it starts (killed by the
-        OOM killer or an operator, at launch or in a restart) is started once more."""
+        """Start the child and wait for its health. A child that dies while it starts (killed by the
+        OOM killer or an operator, its engine killed, at launch or in a restart) is started again,
+        through RESTARTS deaths: faults come close together (the chaos soak killed a resumed run's
+        server as it started, then its engine as the next start came up, and a single retry ended
+        the run). A child that exits 2 refused its arguments or files, and would again: not retried."""
         healthy = lambda url: InferenceClient(url, self._token, retry_deadline_s=1).health()  # noqa: E731
-        self._starts += 1
-        try:
-            self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
-        except StartupTimeout:
-            raise
-        except ServerUnavailableError as e:  # it died while starting
-            self._report_restart(e)
-            self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
+        for deaths in range(self.RESTARTS + 1):
+            self._starts += 1
+            try:
+                self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
+                return
+            except StartupTimeout:
+                raise
+            except ServerUnavailableError as e:  # it died while starting
+                if deaths == self.RESTARTS or self._process.process.returncode == REFUSED_EXIT:
+                    raise
+                self._report_restart(e)
 
     def is_alive(self) -> bool:
         if self._process is not None and self._process.death_reason():

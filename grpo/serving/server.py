@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Optional
 
 from grpo.fsutil import own_temp_dir
-from grpo.serving.supervisor import SERVER_PID_ENV, die_with_parent
+from grpo.serving.supervisor import REFUSED_EXIT, SERVER_PID_ENV, die_with_parent
 
 TOKEN_ENV = "GRPO_SERVER_TOKEN"
 
@@ -309,7 +309,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         check_weights_root(ns.weights_root)
     except WeightPushError as e:
         print(f"[grpo.server] {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(REFUSED_EXIT)
     import uvloop
 
     uvloop.run(serve(ns, token))

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 from grpo.serving.client import ServerUnavailableError
 
 SERVER_PID_ENV = "GRPO_SERVER_PID"  # set by grpo.serving.server for its engine's processes: the pid they die with
+REFUSED_EXIT = 2  # the server's exit code when it refuses its arguments or files (as argparse does)
 
 
 # The thread every server child is forked from; it lives as long as this process (an idle pool thread waits).
