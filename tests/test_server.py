@@ -857,12 +857,19 @@ def test_a_launch_survives_deaths_while_it_starts_and_stops_at_a_refusal(tmp_pat
     port_file = tmp_path / "run" / "server" / "port"
     killed: list[int] = []
 
+    def ours(process) -> bool:
+        try:
+            cmd = " ".join(process.cmdline())
+        except psutil.Error:  # it ended meanwhile
+            return False
+        return "grpo.serving.server" in cmd and str(tmp_path) in cmd
+
     def kill_two():
         deadline = time.monotonic() + 240
         while len(killed) < 2 and time.monotonic() < deadline:
-            # a start removes the port file before it spawns its child: one there now is the new child's
-            child = [c for c in psutil.Process().children() if c.pid not in killed
-                     and "grpo.serving.server" in " ".join(c.cmdline())]
+            # a start removes the port file before it spawns its child: one there now is the new child's.
+            # This launch's children only: a module's server started by this worker is a child too.
+            child = [c for c in psutil.Process().children() if c.pid not in killed and ours(c)]
             if child and port_file.is_file() and port_file.read_text().strip():
                 if killed:  # what the next start refuses (this child has passed its check)
                     args = child[0].cmdline()
@@ -1683,17 +1690,22 @@ def test_a_scaled_score_whose_client_hung_up_lets_the_next_push_through_and_leav
 @pytest.mark.vllm
 def test_the_load_route_counts_the_engines_requests(server, tiny):
     """GET /grpo/load: 0 requests on an idle engine; while a generate of 2 prompts x 8 samples runs,
-    its 16 sequences (each sample counts), then 0 again."""
+    its 16 sequences (each sample counts), then 0 again. The samples are greedy (top_k = 1) on the
+    tiny model's own weights, whose greedy paths never reach the end-of-sequence token (14th of 512
+    at best, on either prompt's path): each runs all 200 tokens. At T = 1 a sample could end on it in its
+    first steps, before any reading (a vocabulary of 512, 16 samples), and the readings peaked at 15."""
+    _push_next(server, tiny["hf"].state_dict())
     assert server.load()["requests"] == 0
-    body = {"prompt_token_ids": tiny["prompt_ids"], "n": 8, "max_tokens": 200, "temperature": 1.0}
+    body = {"prompt_token_ids": tiny["prompt_ids"], "n": 8, "max_tokens": 200, "temperature": 1.0, "top_k": 1}
     seen = []
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(lambda: _client(server).request("POST", "/grpo/generate", json_body=body))
         while not running.done():
             seen.append(server.load()["requests"])
             time.sleep(0.02)
-    assert max(seen) == 16 and server.load() == {"requests": 0, "queued_tokens": 0,
-                                                 "weights_version": server.weights_version()}
+    lengths = [len(c["token_ids"]) for per_prompt in running.result()["completions"] for c in per_prompt]
+    assert lengths == [200] * 16 and max(seen) == 16, (lengths, max(seen))
+    assert server.load() == {"requests": 0, "queued_tokens": 0, "weights_version": server.weights_version()}
 
 
 @pytest.mark.vllm
