@@ -8,16 +8,20 @@ install:
 	@bash scripts/install.sh
 
 # The whole suite, real engines included (CI runs exactly this): the three tiers below.
-# Two workers (pytest-xdist), each taking whole test files, so a module's server fixture starts once:
-# the suite is mostly child processes waiting on each other, and two workers keep both cores busy.
-TEST_WORKERS ?= 2
+# Three workers (pytest-xdist) on two cores: the suite is mostly child processes waiting on each
+# other (alone, a training test keeps half a core busy), so a third worker fills the idle time. The
+# tests that share a module's server or reference run go to one worker, so it starts once
+# (tests/conftest.py); every other test goes to whichever worker is free.
+TEST_WORKERS ?= 3
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # The tiers (tests/conftest.py gives each test one; their times: README, "Tests").
 # quick: the objective, kernels against their torch references, configs, batching, layouts, in-process.
+# Its tests compute in-process: one worker per core.
+QUICK_WORKERS ?= 2
 test-quick: install
-	$(PY) -m pytest -m quick -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -m quick -n $(QUICK_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # torchrun: child processes (torchrun ranks and FSDP2 steps, the CLIs, the AOT compiler, pip's resolver).
 test-torchrun: install

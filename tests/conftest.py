@@ -27,10 +27,70 @@ def tier(item) -> str:
     return "quick"
 
 
-# A file with a vLLM or child-process test is marked as one xdist_group, meant to run whole on one
-# worker so that its module-scoped servers and reference runs start once. pytest-xdist 3.8 ignores
-# the marks under pytest 9.2 (it renames item._nodeid, which pytest 9.2 no longer reads: issue
-# 1386), so today the tests spread over the workers one by one.
+# The tests of a file with a vLLM or child-process test that use its module-scoped fixtures (servers,
+# reference runs) run on one pytest-xdist worker, so that those start once; its other tests go to
+# whichever worker is free (pytest_collection_modifyitems, below).
+#
+# The grouping is done here, not by xdist's own loadgroup: xdist 3.8 tells its scheduler a test's
+# group by appending "@group" to item._nodeid, and pytest 9.2 derives nodeid from a structured id
+# instead, so every mark was silently ignored (pytest-xdist issue 1386) and a module's tests, with
+# their module-scoped servers, ran on both workers. Each worker writes every test's group to the
+# file GROUPS_ENV names (the controller sets it before the workers start); the controller's
+# scheduler reads it once every worker has collected.
+GROUPS_ENV = "GRPO_TEST_GROUPS_FILE"
+
+
+def _group_of(item):
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return None
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and config.getoption("dist", "no") == "loadgroup":
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="grpo-test-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[GROUPS_ENV] = config._grpo_groups_file = path
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_grpo_groups_file", None)
+    if path:
+        os.environ.pop(GROUPS_ENV, None)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup: xdist's scope scheduling, each test's scope its group (see above)."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        groups = None
+
+        def _split_scope(self, nodeid):
+            if ByGroup.groups is None:  # first asked once every worker has collected (and written)
+                import json
+
+                ByGroup.groups = json.loads(open(config._grpo_groups_file).read() or "{}")
+            return ByGroup.groups.get(nodeid) or nodeid
+
+    return ByGroup(config, log)
+
+
+def shares_module_fixture(item) -> bool:
+    """Whether the test uses, directly or through another fixture, one built once per module (or
+    class, or package): the tests that must run on one worker for it to be built once."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope in ("class", "module", "package")
+                                    for defs in info.name2fixturedefs.values())
 
 
 @__import__("pytest").hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
@@ -40,8 +100,8 @@ def pytest_collection_modifyitems(config, items):
     server) run after the rest of their module, wherever they are written: a test added below one
     of them once found the server gone.
 
-    Order and grouping for `make test` (pytest -n 2 --dist loadgroup --no-loadscope-reorder): the
-    files with a vLLM test first, then those with child processes, then the quick ones, so the two
+    Order and grouping for `make test` (pytest -n N --dist loadgroup --no-loadscope-reorder): the
+    files with a vLLM test first, then those with child processes, then the quick ones, so the
     workers start on the longest work and the seconds-long files fill in at the end (by test count,
     xdist's default order, the 15-minute test_faults.py came last and one worker finished alone)."""
     import pytest
@@ -54,13 +114,24 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, tier(item)))
         heaviest[module] = min(heaviest.get(module, 2), TIERS[::-1].index(tier(item)))
         module_first.setdefault(module, index)
-    # A file with a vLLM or child-process test runs whole on one worker (its servers and reference
-    # runs start once); the tests of an all-quick file go one by one to whichever worker is free (their
-    # module fixtures are cheap: a worker may build one too), which evens the two workers' ends.
+    # The tests of a file with a vLLM or child-process test that share its module fixtures (a server,
+    # a reference run) run together on one worker, so those start once; the file's other tests, and
+    # every test of an all-quick file (its module fixtures are cheap: a worker may build one too), go
+    # one by one to whichever worker is free, which keeps a long file from being one long pole.
     quick = TIERS[::-1].index("quick")
     for item, module in zip(items, modules):
-        if item.get_closest_marker("xdist_group") is None and heaviest[module] != quick:
+        if (item.get_closest_marker("xdist_group") is None and heaviest[module] != quick
+                and shares_module_fixture(item)):
             item.add_marker(pytest.mark.xdist_group(module.__name__))
+    groups_file = os.environ.get(GROUPS_ENV)
+    if groups_file and hasattr(config, "workerinput"):  # for the controller's scheduler (see above)
+        import json
+
+        groups = {item.nodeid: "@" + group for item in items if (group := _group_of(item)) is not None}
+        partial = f"{groups_file}.{os.getpid()}"
+        with open(partial, "w") as f:
+            json.dump(groups, f)
+        os.replace(partial, groups_file)  # the workers collect the same tests: either file will do
 
     def key(index):
         module = modules[index]

@@ -5,6 +5,8 @@ so a new test is placed right before anyone times the tiers."""
 import ast
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -72,3 +74,50 @@ def test_the_budget_names_the_slow_tests_that_do_not_say_why():
     durations = {"a": 61.0, "b": 200.0, "c": 59.0, "d": 90.0}
     says = {"a": False, "b": False, "c": False, "d": True}
     assert conftest.unexplained(durations, says) == [(200.0, "b"), (61.0, "a")]
+
+
+@pytest.mark.torchrun
+def test_the_tests_sharing_a_heavy_files_module_fixture_run_on_one_worker(tmp_path):
+    """`make test`'s distribution, run for real (pytest -n 2 --dist loadgroup on a scratch suite
+    that uses this conftest): the tests of a file holding a torchrun test that use its module-scoped
+    fixture run on one worker (it is built once); that file's other tests, and an all-quick file's,
+    go to whichever worker is free. Before, the grouping rode on xdist renaming each test
+    "<id>@<group>", which pytest 9.2 ignores, and every test spread over both workers (pytest-xdist
+    issue 1386); then a whole file went to one worker, its tests that share nothing included."""
+    import subprocess
+    import sys
+
+    suite = tmp_path / "tests"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('grpo_tests_conftest', {str(TESTS / 'conftest.py')!r})\n"
+        "mod = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(mod)\n"
+        "globals().update({k: v for k, v in vars(mod).items() if k.startswith('pytest_')})\n")
+    record = tmp_path / "ran"
+
+    def body(name: str, sleep_s: float) -> str:
+        return (f"    time.sleep({sleep_s})\n    open({str(record)!r}, 'a').write({name!r} + ' ' + str(i) + ' '"
+                " + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n")
+
+    (suite / "test_heavy.py").write_text(
+        "import os, time, pytest\n"
+        "@pytest.fixture(scope='module')\ndef shared():\n    return 1\n"
+        "@pytest.mark.torchrun\ndef test_child(shared, i=0):\n" + body("shared", 0.3) +
+        "@pytest.mark.parametrize('i', range(1, 6))\ndef test_quick(shared, i):\n" + body("shared", 0.3) +
+        "@pytest.mark.parametrize('i', range(6))\ndef test_free(i):\n" + body("free", 0.1))
+    (suite / "test_light.py").write_text(
+        "import os, time, pytest\n@pytest.mark.parametrize('i', range(8))\ndef test_quick(i):\n" + body("light", 0.2))
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    quick: q\n    torchrun: t\n    vllm: v\n"
+                                         "    last_in_module: l\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder",
+                           "-q", "-p", "no:cacheprovider", "tests"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    workers: dict[str, set] = {"shared": set(), "free": set(), "light": set()}
+    for line in record.read_text().splitlines():
+        name, _, worker = line.split()
+        workers[name].add(worker)
+    assert len(workers["shared"]) == 1, workers
+    assert workers["free"] - workers["shared"], workers  # not held to the shared fixture's worker
+    assert workers["light"] == {"gw0", "gw1"}, workers
