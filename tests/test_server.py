@@ -1694,7 +1694,8 @@ def test_the_load_route_counts_the_engines_requests(server, tiny):
     tiny model's own weights, whose greedy paths never reach the end-of-sequence token (14th of 512
     at best, on either prompt's path): each runs all 200 tokens. At T = 1 a sample could end on it in its
     first steps, before any reading (a vocabulary of 512, 16 samples), and the readings peaked at 15."""
-    _push_next(server, tiny["hf"].state_dict())
+    # from the model directory: tiny["hf"] holds whatever weights a test before loaded into it
+    _push_next(server, load_model(tiny["model_dir"], dtype=torch.float32).state_dict())
     assert server.load()["requests"] == 0
     body = {"prompt_token_ids": tiny["prompt_ids"], "n": 8, "max_tokens": 200, "temperature": 1.0, "top_k": 1}
     seen = []
