@@ -11,8 +11,8 @@ hashed with server.weights_hash) -> load -> check the engine's fingerprint -> pr
 dead server: a launched child that died is restarted, the weights it served re-pushed (none
 before the first push: a fresh server serves the model directory as version 0, which is what it
 served), and the request retried (through RESTARTS deaths); a child that dies while it starts is
-started again (through RESTARTS deaths too). A request the server refuses (4xx) is raised as it is, and a stopped server is
-never started again. Calls may come from several threads at once (the asynchronous sampler's
+started again (through RESTARTS deaths too). A request the server refuses (4xx) is raised as it
+is, and a stopped server is never started again. Calls may come from several threads at once (the asynchronous sampler's
 beside the trainer's pushes): a death seen by two of them restarts the child once.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from grpo.fsutil import owned_dir
 from grpo.serving.client import (TOKEN_ENV, GenerationResult, InferenceClient, InferenceServerError, ScoreResult,
                                  ServerUnavailableError, attach)
 from grpo.serving.fingerprint import fingerprint_mismatches, pushed_moments, unseen_by_fingerprint
-from grpo.serving.supervisor import REFUSED_EXIT, ServerProcess, StartupTimeout
+from grpo.serving.supervisor import ServerProcess, StartupRefused, StartupTimeout
 from grpo.serving.weights_dir import prune_weights
 from grpo.serving.weights_writer import write_weights
 
@@ -507,10 +507,10 @@ class InferenceServer:
             try:
                 self.client.url = self._process.start(port, healthy, self.cfg.startup_timeout_s)
                 return
-            except StartupTimeout:
+            except (StartupTimeout, StartupRefused):
                 raise
             except ServerUnavailableError as e:  # it died while starting
-                if deaths == self.RESTARTS or self._process.process.returncode == REFUSED_EXIT:
+                if deaths == self.RESTARTS:
                     raise
                 self._report_restart(e)
 

@@ -33,6 +33,10 @@ class StartupTimeout(ServerUnavailableError):
     """The child ran but was not healthy within its start-up time-out (starting it again would wait as long)."""
 
 
+class StartupRefused(ServerUnavailableError):
+    """The child exited REFUSED_EXIT while starting: it refused its arguments or files, and would again."""
+
+
 class ServerProcess:
     """`python -m grpo.serving.server ...` as a child: `cmd` without --port, `server_dir` for its log and port file."""
 
@@ -58,8 +62,9 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.kill()
-                raise ServerUnavailableError(f"grpo.serving.server exited with code {self.process.returncode} during "
-                                             f"start-up; last lines of {self.log_path}:\n{self.log_tail()}")
+                died = StartupRefused if self.process.returncode == REFUSED_EXIT else ServerUnavailableError
+                raise died(f"grpo.serving.server exited with code {self.process.returncode} during "
+                           f"start-up; last lines of {self.log_path}:\n{self.log_tail()}")
             if port_file.is_file() and (text := port_file.read_text().strip()):
                 self.url = f"http://{self.host}:{int(text)}"
                 if healthy(self.url):
