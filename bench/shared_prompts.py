@@ -2,13 +2,15 @@
 G=16 completions of <=200 tokens behind a <=150-token prompt) through Qwen2.5-0.5B's shape in bf16,
 a row per sequence against one row per group with each shared-prompt attention (grpo.shared_prompt:
 sdpa, flex), forward + backward: wall seconds, GPU seconds and the top GPU kernels of one profiled
-pass each (torch.profiler). The pass/fail check of the same layouts is scripts/gpu_check.py's
-shared_prompts step; this script says why a layout costs what it does.
+pass each (torch.profiler), and the host calls that take the most CPU time (a layout whose wall time
+exceeds its GPU time waits on the host). The pass/fail check of the same layouts is
+scripts/gpu_check.py's shared_prompts step; this script says why a layout costs what it does.
 
     python bench/shared_prompts.py                 # on cuda:0 (random weights: no model download)
+    python bench/shared_prompts.py --groups 6      # a micro-batch of 6 groups instead of 2
     python bench/shared_prompts.py --device cpu --toy   # seconds; SDPA rows only (no flex backward on a CPU)
 
-Last line: JSON, {layout: {wall_s, gpu_s, tokens}}.
+Last line: JSON, {layout: {wall_s, gpu_s, host_s, aten_calls, tokens, groups}}.
 """
 from __future__ import annotations
 
@@ -95,10 +97,16 @@ def main() -> None:
             forward_backward()
         events = prof.key_averages()
         gpu_s = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
-        figures[layout] = dict(wall_s=min(walls), gpu_s=gpu_s if on_gpu else None, tokens=int(mb.input_ids.numel()))
+        # Host time of the profiled pass (the profiler's own cost included) and its op calls: where a
+        # layout's wall time exceeds its GPU time, these say which calls the host spends it on.
+        host_s = sum(e.self_cpu_time_total for e in events) / 1e6
+        calls = sum(e.count for e in events if e.key.startswith("aten::"))
+        figures[layout] = dict(wall_s=min(walls), gpu_s=gpu_s if on_gpu else None, host_s=host_s, aten_calls=calls,
+                               tokens=int(mb.input_ids.numel()), groups=args.groups)
         print(f"===== {layout}: {figures[layout]}")
         if on_gpu:
             print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=60))
+        print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
     print(json.dumps(figures))
 
 
