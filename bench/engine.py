@@ -94,11 +94,12 @@ def one_temperature(server: InferenceServer, policy: Policy, prompt_ids: list[li
 def one_head(head: str, model_dir: Path, args, run_dir: Path, policy: Policy, prompt_ids, pad_id: int,
              device: torch.device, state_dict: dict) -> dict:
     cfg = ServerConfig(dtype=args.dtype, head_dtype=head, max_model_len=args.max_model_len, seed=args.seed,
-                       startup_timeout_s=args.startup_timeout_s, request_timeout_s=args.request_timeout_s)
+                       startup_timeout_s=args.startup_timeout_s, request_timeout_s=args.request_timeout_s,
+                       enforce_eager=head in args.eager)
     gpu = "0" if device.type == "cuda" else None
     t0 = time.perf_counter()
     with InferenceServer.launch(model_dir, cfg, run_dir, gpu=gpu) as server:
-        out = {"startup_s": round(time.perf_counter() - t0, 1),
+        out = {"startup_s": round(time.perf_counter() - t0, 1), "enforce_eager": cfg.enforce_eager,
                "head_dtype": server.client.request("GET", "/grpo/health").get("head_dtype"),
                "serve_dtype": str(server.serve_dtype).removeprefix("torch.")}
         server.generate(prompt_ids[:1], n=1, max_tokens=2, temperature=1.0)  # warm-up: the first request compiles
@@ -114,6 +115,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="tiny, smollm2 or an HF model directory")
     ap.add_argument("--dtype", default="bfloat16", help="server.dtype (the engine's compute dtype)")
     ap.add_argument("--heads", nargs="+", default=["float32", "model"], choices=["float32", "model"])
+    ap.add_argument("--eager", nargs="*", default=[], choices=["float32", "model"],
+                    help="heads whose server starts with server.enforce_eager (no compilation, no CUDA graphs)")
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.1])
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--G", type=int, default=2)
