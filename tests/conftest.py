@@ -164,10 +164,25 @@ def pytest_runtest_makereport(item, call):
         outcome.get_result().user_properties.append(("says_why_slow", says_why_slow(item)))
 
 
+# GRPO_TEST_TIMELINE=FILE: each test phase's worker, start and stop (epoch seconds), one JSON line
+# each, appended by the controller; `python tests/timeline.py FILE` says where the run's wall time
+# went (each worker's busy share, and how long each sat idle at the end).
+TIMELINE_ENV = "GRPO_TEST_TIMELINE"
+
+
 def pytest_runtest_logreport(report):
     """On the controller (or the only process): each test's set-up + call seconds."""
     if report.when in ("setup", "call"):
         _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    timeline = os.environ.get(TIMELINE_ENV)
+    if timeline and "PYTEST_XDIST_WORKER" not in os.environ:
+        import json
+
+        node = getattr(report, "node", None)  # xdist's WorkerController on the controller
+        worker = node.gateway.id if node is not None else "main"
+        with open(timeline, "a") as f:
+            f.write(json.dumps({"worker": worker, "test": report.nodeid, "when": report.when,
+                                "start": report.start, "stop": report.stop}) + "\n")
     for key, value in report.user_properties:
         if key == "says_why_slow":
             _says_why[report.nodeid] = value

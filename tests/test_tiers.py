@@ -3,9 +3,12 @@
 belongs in the torchrun tier, as tests/conftest.py defines it. Checked from the test files' source,
 so a new test is placed right before anyone times the tiers."""
 import ast
+import json
+import os
 from pathlib import Path
 
 import pytest
+from timeline import summary as timeline_summary
 
 TESTS = Path(__file__).resolve().parent
 
@@ -110,14 +113,41 @@ def test_the_tests_sharing_a_heavy_files_module_fixture_run_on_one_worker(tmp_pa
         "import os, time, pytest\n@pytest.mark.parametrize('i', range(8))\ndef test_quick(i):\n" + body("light", 0.2))
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    quick: q\n    torchrun: t\n    vllm: v\n"
                                          "    last_in_module: l\n")
+    timeline = tmp_path / "timeline.jsonl"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder",
                            "-q", "-p", "no:cacheprovider", "tests"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, "GRPO_TEST_TIMELINE": str(timeline)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     workers: dict[str, set] = {"shared": set(), "free": set(), "light": set()}
+    ran_on = {}
     for line in record.read_text().splitlines():
-        name, _, worker = line.split()
+        name, i, worker = line.split()
         workers[name].add(worker)
+        ran_on[(name, int(i))] = worker
     assert len(workers["shared"]) == 1, workers
     assert workers["free"] - workers["shared"], workers  # not held to the shared fixture's worker
     assert workers["light"] == {"gw0", "gw1"}, workers
+    # the controller's timeline (GRPO_TEST_TIMELINE): every phase of every test, on the worker that ran it
+    phases = [json.loads(line) for line in timeline.read_text().splitlines()]
+    assert len(phases) == 3 * 20 and {p["when"] for p in phases} == {"setup", "call", "teardown"}
+    calls = {p["test"]: p for p in phases if p["when"] == "call"}
+    assert calls["tests/test_light.py::test_quick[3]"]["worker"] == ran_on[("light", 3)]
+    assert calls["tests/test_heavy.py::test_free[2]"]["worker"] == ran_on[("free", 2)]
+    assert calls["tests/test_heavy.py::test_child"]["stop"] - calls["tests/test_heavy.py::test_child"]["start"] >= 0.3
+    result = timeline_summary(phases)
+    assert set(result["workers"]) == {"gw0", "gw1"} and result["span_s"] > 0
+
+
+def test_the_timeline_summary_says_each_workers_busy_share_and_idle_tail():
+    """tests/timeline.py on a hand-made timeline: gw0 ran a (0-10 s) and c (10-30 s), gw1 ran b
+    (2-12 s), then sat idle 18 s while c ran; span 30 s, so gw0 was busy 30/30 and gw1 10/30. The
+    tail (the last tenth: stops after 27 s) holds c alone, 20 s, started at 10 s."""
+    def phase(worker, test, start, stop, when="call"):
+        return {"worker": worker, "test": test, "when": when, "start": 100 + start, "stop": 100 + stop}
+
+    result = timeline_summary([phase("gw0", "a", 0, 1, "setup"), phase("gw0", "a", 1, 10), phase("gw1", "b", 2, 12),
+                               phase("gw0", "c", 10, 30)])
+    assert result["span_s"] == 30.0
+    assert result["workers"] == {"gw0": {"busy_s": 30.0, "busy_share": 1.0, "idle_at_end_s": 0.0},
+                                 "gw1": {"busy_s": 10.0, "busy_share": 0.333, "idle_at_end_s": 18.0}}
+    assert result["tail"] == [{"test": "c", "worker": "gw0", "seconds": 20.0, "started_s": 10.0}]
