@@ -47,7 +47,13 @@ def _group_of(item):
     return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
 
 
+_is_worker = False  # a pytest-xdist worker (its reports reach the controller, which records them)
+
+
 def pytest_configure(config):
+    global _is_worker
+    # Not PYTEST_XDIST_WORKER: a pytest started by a test inherits its worker's environment.
+    _is_worker = hasattr(config, "workerinput")
     if not hasattr(config, "workerinput") and config.getoption("dist", "no") == "loadgroup":
         import tempfile
 
@@ -175,7 +181,7 @@ def pytest_runtest_logreport(report):
     if report.when in ("setup", "call"):
         _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
     timeline = os.environ.get(TIMELINE_ENV)
-    if timeline and "PYTEST_XDIST_WORKER" not in os.environ:
+    if timeline and not _is_worker:
         import json
 
         node = getattr(report, "node", None)  # xdist's WorkerController on the controller
