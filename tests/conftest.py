@@ -54,7 +54,7 @@ def pytest_configure(config):
     global _is_worker
     # Not PYTEST_XDIST_WORKER: a pytest started by a test inherits its worker's environment.
     _is_worker = hasattr(config, "workerinput")
-    if not hasattr(config, "workerinput") and config.getoption("dist", "no") == "loadgroup":
+    if not _is_worker and config.getoption("dist", "no") == "loadgroup":
         import tempfile
 
         fd, path = tempfile.mkstemp(prefix="grpo-test-groups-", suffix=".json")
@@ -130,7 +130,7 @@ def pytest_collection_modifyitems(config, items):
                 and shares_module_fixture(item)):
             item.add_marker(pytest.mark.xdist_group(module.__name__))
     groups_file = os.environ.get(GROUPS_ENV)
-    if groups_file and hasattr(config, "workerinput"):  # for the controller's scheduler (see above)
+    if groups_file and _is_worker:  # for the controller's scheduler (see above)
         import json
 
         groups = {item.nodeid: "@" + group for item in items if (group := _group_of(item)) is not None}

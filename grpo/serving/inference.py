@@ -12,8 +12,9 @@ dead server: a launched child that died is restarted, the weights it served re-p
 before the first push: a fresh server serves the model directory as version 0, which is what it
 served), and the request retried (through RESTARTS deaths); a child that dies while it starts is
 started again (through RESTARTS deaths too). A request the server refuses (4xx) is raised as it
-is, and a stopped server is never started again. Calls may come from several threads at once (the asynchronous sampler's
-beside the trainer's pushes): a death seen by two of them restarts the child once.
+is, and a stopped server is never started again. Calls may come from several threads at once (the
+asynchronous sampler's beside the trainer's pushes): a death seen by two of them restarts the child
+once.
 """
 from __future__ import annotations
 
