@@ -1,7 +1,7 @@
 """Collectives of grpo.parallel on a real gloo group, for tests/test_parallel.py.
 
     torchrun --nproc_per_node=2 tests/parallel_worker.py payload OUT_JSON
-    torchrun --nproc_per_node=2 tests/parallel_worker.py timeout OUT_JSON TIMEOUT_S SLEEP_S
+    torchrun --nproc_per_node=2 tests/parallel_worker.py timeout OUT_JSON TIMEOUT_S SLEEP_S LATE_S
     torchrun --nproc_per_node=2 tests/parallel_worker.py shared_dir OUT_JSON DIR_RANK0 DIR_RANK1
     torchrun --nproc_per_node=2 tests/parallel_worker.py run_name OUT_JSON MODEL_DIR
 """
@@ -64,14 +64,25 @@ def main():
         result = {"rank": info.rank}
     else:
         timeout_s, sleep_s = float(sys.argv[3]), float(sys.argv[4])
+        # The group's time-out also bounds its set-up, where each rank waits for the other's address:
+        # on a loaded machine one rank's imports ended seconds after the other's and the short group
+        # failed there, before its broadcast. The ranks meet first, outside the group.
+        rank = int(os.environ["RANK"])
+        if rank == 1:
+            time.sleep(float(sys.argv[5]))  # its imports, seconds slower than rank 0's
+        open(f"{out}.arrived{rank}", "w").close()
+        while not os.path.exists(f"{out}.arrived{1 - rank}"):
+            time.sleep(0.01)
         info = init_distributed("cpu", timeout_s=timeout_s)
         if info.rank == 0:
             time.sleep(sleep_s)  # rank 0 busy (starting vLLM, evaluating) while rank 1 waits
+        t0 = time.monotonic()
         try:
             broadcast_json({"ready": True} if info.rank == 0 else None)
             result = {"rank": info.rank, "ok": True}
         except Exception as e:  # the time-out, reported to the test
             result = {"rank": info.rank, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        result["waited_s"] = time.monotonic() - t0
     with open(f"{out}.{info.rank}", "w") as f:
         json.dump(result, f)
     if mode in ("payload", "shared_dir", "run_name") or result["ok"]:

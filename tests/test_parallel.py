@@ -104,13 +104,20 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.torchrun
 def test_process_group_timeout_is_the_configured_one(tmp_path):
-    """Rank 1 waits in a broadcast while rank 0 is busy for 4 s: a 1 s time-out aborts it, the
-    configured 60 s lets it through (NCCL's default of 10 minutes would abort a vLLM start-up)."""
-    short = torchrun(2, "timeout", tmp_path / "short", 1, 4)
+    """Rank 1 waits in a broadcast while rank 0 is busy for 9 s: a 3 s time-out aborts it, the
+    configured 60 s lets it through (NCCL's default of 10 minutes would abort a vLLM start-up). Rank
+    1 starts 4 s after rank 0, as a loaded machine once had it: the 3 s group is made nonetheless.
+    The two jobs run side by side."""
+    jobs = {name: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                    "--nproc_per_node=2", WORKER, "timeout", str(tmp_path / name), str(timeout_s), "9", "4"],
+                                   cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+            for name, timeout_s in (("short", 3), ("long", 60))}
+    out = {name: job.communicate(timeout=300)[0] for name, job in jobs.items()}
+    assert (tmp_path / "short.1").is_file(), out["short"][-3000:]
     r1 = json.loads((tmp_path / "short.1").read_text())
-    assert not r1["ok"], (short.stdout[-2000:], short.stderr[-2000:])
-    long = torchrun(2, "timeout", tmp_path / "long", 60, 4)
-    assert long.returncode == 0, long.stderr[-3000:]
+    assert not r1["ok"] and r1["waited_s"] < 9, (r1, out["short"][-2000:])  # its time-out, not rank 0's reply
+    assert jobs["long"].returncode == 0, out["long"][-3000:]
     assert json.loads((tmp_path / "long.1").read_text())["ok"]
 
 
