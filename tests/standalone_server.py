@@ -1,5 +1,5 @@
 """A grpo.serving.server started by hand, as docs/layouts.md starts one, for tests whose runs attach
-to it (server.url) instead of each launching its own engine (30-45 s of start-up on 2 cores).
+to it (server.url) instead of each launching its own engine (15-30 s of start-up on 2 cores).
 
 Its command line and environment are those a run gives the CPU server it launches with the same
 `server:` section (grpo.serving.inference.server_command, grpo.cpu.serving.engine_env), so attached

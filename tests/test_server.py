@@ -1410,6 +1410,18 @@ def test_a_batch_on_one_thread_leaves_the_other_core_to_the_trainer(server, tiny
 
 
 @pytest.mark.vllm
+def test_the_cpu_engine_core_is_forked_from_its_server(server):
+    """vLLM's CPU platform spawns its engine core, which then imported vLLM and torch again: ~10 s
+    of CPU and ~13 s of every server start on two cores, paid at each of a run's server (re)starts.
+    The in-process executor binds its cores in the running process, so the server forks its engine
+    core, as vLLM does on a GPU; the worker says how its process began."""
+    import re
+
+    log = server._process.log_path.read_text()
+    assert re.findall(r"engine worker started by (\w+);", log)[-1:] == ["fork"], log[-3000:]
+
+
+@pytest.mark.vllm
 def test_the_engine_workers_heap_is_frozen_after_start_up(server):
     """A full garbage collection in the process that runs the model must not scan its start-up heap:
     in a worker process of its own (vLLM's multiprocess CPU executor, which vLLM does not freeze)
@@ -1419,8 +1431,8 @@ def test_the_engine_workers_heap_is_frozen_after_start_up(server):
     import re
 
     log = server._process.log_path.read_text()
-    found = re.findall(r"engine worker heap frozen \((\d+) objects\): a full garbage collection took "
-                       r"([\d.]+) s, now ([\d.]+) s", log)
+    found = re.findall(r"engine worker started by \w+; heap frozen \((\d+) objects\): a full garbage collection "
+                       r"took ([\d.]+) s, now ([\d.]+) s", log)
     assert found, "the server did not freeze its engine workers' heap"
     frozen, after = int(found[-1][0]), float(found[-1][2])
     assert frozen > 10000

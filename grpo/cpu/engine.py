@@ -10,6 +10,8 @@ the engine core and does directly what the multiprocess executor did through the
 process is restricted to the cores of VLLM_CPU_OMP_THREADS_BIND and torch runs one OpenMP thread
 per core. GPU engines keep the executor vLLM chooses.
 
+The engine core is forked from the server, as vLLM starts it on a GPU (`fork_engine_core`).
+
 The methods a CPU engine adds to vLLM's worker are in grpo/cpu/worker.py.
 """
 import multiprocessing
@@ -46,6 +48,28 @@ def locks_leave_no_file() -> None:
     context a lock's name is unlinked as soon as it is made. Nothing in this process hands a
     default-context lock to a spawned one: vLLM starts its processes from get_mp_context's own."""
     multiprocessing.set_start_method("fork", force=True)
+
+
+def fork_engine_core() -> None:
+    """Start the engine-core process by fork, not spawn. vLLM's CPU platform makes every engine
+    process spawn (it sets VLLM_WORKER_MULTIPROC_METHOD as the engine's config is made) because its
+    multiprocess executor binds OpenMP through the environment a fresh process reads at start-up.
+    The in-process executor binds its cores itself, in the running process (restrict_process), so the
+    engine core can be forked from the server as on a GPU, where vLLM forks it too. A spawned one
+    imported vLLM and torch again: ~10 s of CPU and ~13 s of every server start on two cores.
+    The server runs no torch computation before the fork: an OpenMP team does not survive one."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    made = CpuPlatform.check_and_update_config.__func__
+    if getattr(made, "forks_engine_core", False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        made(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    check_and_update_config.forks_engine_core = True
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 class InProcessExecutor(UniProcExecutor):

@@ -259,6 +259,10 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
         os.replace(tmp, ns.port_file)
     on_cpu = current_platform.is_cpu()
     args = vllm_args(ns, port, on_cpu)
+    if on_cpu and ns.cpu_executor == "in_process":
+        from grpo.cpu.engine import fork_engine_core
+
+        fork_engine_core()
     root = Path(ns.weights_root)  # checked by main()
     processes = EngineProcessWatch().start()
     async with build_async_engine_client(args) as engine:
@@ -271,8 +275,9 @@ async def serve(ns: argparse.Namespace, token: str) -> None:
         # engine-core process): a full collection would scan them all, mid-push and mid-batch.
         heap = (await engine.collective_rpc("grpo_freeze_heap"))[0]
         freeze_gc_heap()
-        print(f"[grpo.server] engine worker heap frozen ({heap['frozen']} objects): a full garbage collection "
-              f"took {heap['full_collection_s']:.3f} s, now {heap['full_collection_frozen_s']:.3f} s", flush=True)
+        print(f"[grpo.server] engine worker started by {heap['started_by']}; heap frozen ({heap['frozen']} objects): "
+              f"a full garbage collection took {heap['full_collection_s']:.3f} s, now "
+              f"{heap['full_collection_frozen_s']:.3f} s", flush=True)
         control = await EngineControl.start(engine, on_cpu, ns.cpu_sampler)  # the CPU fence's hook (GPU: nothing)
         print(f"[grpo.server] sampler: {control.sampler}; LM head in {engine.model_config.head_dtype}", flush=True)
         state = WeightsState(engine, Path(ns.model).resolve(), root, ns.keep_last,

@@ -12,8 +12,15 @@ T != 1 (grpo/serving/routes.py) then reads log softmax(logits / T) from the prom
 one request per sequence, which vLLM computes from the raw logits (no temperature) otherwise.
 """
 import random
+import sys
 
 from grpo.cpu.worker import CPUWorkerMethods
+
+
+def started_by() -> str:
+    """How this process was started: "spawn" (multiprocessing imported the parent's main module
+    again, as __mp_main__) or "fork" (it runs on in the parent's own __main__)."""
+    return "spawn" if sys.modules["__main__"].__name__ == "__mp_main__" else "fork"
 
 
 class GRPOWorkerExtension(CPUWorkerMethods):
@@ -93,4 +100,5 @@ class GRPOWorkerExtension(CPUWorkerMethods):
             t0 = time.perf_counter()
             gc.collect()
             after.append(time.perf_counter() - t0)
-        return {"frozen": gc.get_freeze_count(), "full_collection_s": before, "full_collection_frozen_s": min(after)}
+        return {"frozen": gc.get_freeze_count(), "full_collection_s": before, "full_collection_frozen_s": min(after),
+                "started_by": started_by()}
