@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tiny_models import make_tiny_model_dir
+from train_main_cases import run_cases
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -84,26 +85,6 @@ def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
     }
 
 
-# train.main for each case in turn, in one process that imports train.py once (a process per case
-# paid those imports 15 times): each case's stderr, its return code, or the traceback that escaped.
-EACH_CASE = """
-import contextlib, io, json, sys, traceback
-sys.path.insert(0, sys.argv[1])
-import train
-results = {}
-for name, argv in json.loads(open(sys.argv[2]).read()).items():
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            code = train.main(argv)
-        except BaseException:
-            traceback.print_exc()
-            code = None
-    results[name] = {"code": code, "stderr": err.getvalue()}
-open(sys.argv[3], "w").write(json.dumps(results))
-"""
-
-
 @pytest.mark.torchrun
 def test_each_bad_input_is_one_line_and_exit_2(model_dir, tmp_path):
     """Each bad input to train.py is one line naming it and exit 2, with no traceback. One case runs
@@ -116,18 +97,14 @@ def test_each_bad_input_is_one_line_and_exit_2(model_dir, tmp_path):
     argv = {name: ["--config", str(ROOT / "configs/tiny_test.yaml"), f"model.path={model_dir}",
                    f"log.out_dir={tmp_path / 'runs'}", f"log.run_name=case{i}", *overrides]
             for i, (name, (overrides, _)) in enumerate(cases.items())}
-    (tmp_path / "cases.json").write_text(json.dumps(argv))
     whole = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv["nan learning rate"]], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    each = subprocess.run([sys.executable, "-c", EACH_CASE, str(ROOT), str(tmp_path / "cases.json"),
-                           str(tmp_path / "results.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert each.returncode == 0, each.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
-    _, err = whole.communicate(timeout=600)
-    results["nan learning rate, as train.py"] = {"code": whole.returncode, "stderr": err}
+    results = run_cases(argv, tmp_path, env)
+    err = whole.communicate(timeout=600)[1]
+    results["nan learning rate, as train.py"] = whole.returncode, err
     cases["nan learning rate, as train.py"] = cases["nan learning rate"]
     for name, (_, expected) in cases.items():
-        code, err = results[name]["code"], results[name]["stderr"]
+        code, err = results[name]
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2, f"{name}: exit {code}\n{err[-3000:]}"
         assert "Traceback" not in err, f"{name}:\n{err[-3000:]}"

@@ -23,6 +23,7 @@ from grpo.rewards import RewardConfig, RewardScorer
 from grpo.serving.inference import InferenceServer, ServerConfig
 from test_rewards import extract_answer
 from tiny_models import make_tiny_model_dir
+from train_main_cases import run_cases
 
 pytestmark = pytest.mark.vllm
 
@@ -154,8 +155,8 @@ def test_attach_errors_are_one_line_exit_2_and_start_nothing(server, tiny_model,
     URL and what failed, exit 2, found before set-up goes further (no run or output directory), the
     token checked by an authenticated read (GET /version) and nothing on the server changed. Before:
     exit 1 and a 63-83 line traceback in train.py, a wrong or missing token noticed only at the first
-    generate, after set-up. Over 60 s on 2 cores: train.py runs as a process per cause, six side by
-    side, each importing torch (eval.py's main() runs in this process meanwhile)."""
+    generate, after set-up. train.main takes each cause in one process (tests/train_main_cases.py),
+    eval.py's main() in this one. Over 60 s on a loaded machine: that process imports train.py."""
     import eval as eval_script
 
     version = server.weights_version()
@@ -167,19 +168,15 @@ def test_attach_errors_are_one_line_exit_2_and_start_nothing(server, tiny_model,
         dead = f"http://127.0.0.1:{bound.getsockname()[1]}"
         cases = _attach_cases(server, dead, tmp_path)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-        procs = {name: subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config",
-                                         str(ROOT / "configs/tiny_test.yaml"), f"model.path={tiny_model}",
-                                         f"log.out_dir={tmp_path / 'runs'}", *common, *overrides],
-                                        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for name, (overrides, _) in cases.items()}
         for name, (overrides, _) in cases.items():
             capsys.readouterr()
             code = eval_script.main(["--model", str(tiny_model), "--dataset", "arithmetic", "--out",
                                      str(tmp_path / "eval"), *common, *overrides])
             outcomes["eval.py", name] = code, capsys.readouterr().err
-        for name, proc in procs.items():
-            _, err = proc.communicate(timeout=600)
-            outcomes["train.py", name] = proc.returncode, err
+        train = run_cases({name: ["--config", str(ROOT / "configs/tiny_test.yaml"), f"model.path={tiny_model}",
+                                  f"log.out_dir={tmp_path / 'runs'}", *common, *overrides]
+                           for name, (overrides, _) in cases.items()}, tmp_path, env)
+        outcomes.update({("train.py", name): result for name, result in train.items()})
     for (entry, name), (code, err) in outcomes.items():
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and "Traceback" not in err, f"{entry}, {name}: exit {code}\n{err[-3000:]}"
