@@ -16,10 +16,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "parallel_worker.py")
 
 
+def torchrun_cmd(nproc, *args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", WORKER,
+            *map(str, args)]
+
+
+def one_thread_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def torchrun(nproc, *args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           WORKER, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(torchrun_cmd(nproc, *args), cwd=ROOT, env=one_thread_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def test_backend_decision():
@@ -70,9 +78,7 @@ def test_ranks_die_with_a_killed_torchrun_agent(tmp_path):
     import time
 
     out = tmp_path / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                              WORKER, "outlive_agent", str(out)], cwd=ROOT, env=env, start_new_session=True,
+    agent = subprocess.Popen(torchrun_cmd(2, "outlive_agent", out), cwd=ROOT, env=one_thread_env(), start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -108,10 +114,8 @@ def test_process_group_timeout_is_the_configured_one(tmp_path):
     configured 60 s lets it through (NCCL's default of 10 minutes would abort a vLLM start-up). Rank
     1 starts 4 s after rank 0, as a loaded machine once had it: the 3 s group is made nonetheless.
     The two jobs run side by side."""
-    jobs = {name: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                    "--nproc_per_node=2", WORKER, "timeout", str(tmp_path / name), str(timeout_s), "9", "4"],
-                                   cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
+    jobs = {name: subprocess.Popen(torchrun_cmd(2, "timeout", tmp_path / name, timeout_s, 9, 4), cwd=ROOT,
+                                   env=one_thread_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for name, timeout_s in (("short", 3), ("long", 60))}
     out = {name: job.communicate(timeout=300)[0] for name, job in jobs.items()}
     assert (tmp_path / "short.1").is_file(), out["short"][-3000:]

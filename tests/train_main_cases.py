@@ -40,7 +40,7 @@ def main(cases_file: str, results_file: str) -> None:
         with contextlib.redirect_stderr(err):
             try:
                 code = train.main(argv)
-            except BaseException:  # what would have been a traceback (or SystemExit's code) in train.py
+            except BaseException:  # a traceback in train.py (a SystemExit too: no case here may exit)
                 traceback.print_exc()
                 code = None
         results[name] = {"code": code, "stderr": err.getvalue()}
