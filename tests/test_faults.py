@@ -1,4 +1,4 @@
-"""Faults a long run meets, survived exactly (the README's "Checkpoints and faults" table): the
+"""Faults a long run meets, survived exactly (docs/faults.md's table): the
 trainer SIGKILLed between checkpoints inside a v-window (default root) and a resume inside one
 with an explicit server.weights_root or push_mode=bytes, and the server's process group SIGKILLed before the first
 push, at a push and mid-generation (tests/fault_train.py). Each run ends with every step and the
