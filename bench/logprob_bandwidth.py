@@ -1,6 +1,6 @@
 """Bandwidth of the per-token log-prob forward (kernels/logprobs.py) on one GPU, variant by variant.
 
-Each variant of triton_forward (block-wise or lane-wise loop, two-buffer prefetch, split vocabulary,
+Each variant of triton_forward (block-wise, lane-wise or grouped loop, two-buffer prefetch, split vocabulary,
 Triton's num_stages) runs over a launch sweep, at N = 256 (one LM-head chunk of the trainer, fp32
 logits), 2048 and 16384 rows, V = 151936, T = 0.1, bf16 and fp32 logits, with and without the
 entropy. Figure of merit: bytes of logits read per second (N V itemsize / time), as a fraction of the
@@ -43,7 +43,7 @@ from kernels.logprobs import torch_forward, triton_forward  # noqa: E402
 
 V, TEMPERATURE, FLUSH_BYTES = 151936, 0.1, 1 << 30
 BLOCK = dict(rows_per_program=1, block_v=4096, num_warps=8)  # the block-wise loop's launch (the default before lanewise)
-LAUNCH_DEFAULTS = dict(split=1, lanewise=False, prefetch=False, num_stages=None)
+LAUNCH_DEFAULTS = dict(split=1, lanewise=False, prefetch=False, grouped=False, num_stages=None)
 
 
 def default_launch() -> dict:
@@ -67,16 +67,23 @@ def variants(smoke: bool) -> list[tuple[str, dict]]:
         return [("block", small), ("lane", dict(small, lanewise=True)),
                 ("lane+prefetch", dict(small, lanewise=True, prefetch=True)), ("prefetch", dict(small, prefetch=True)),
                 ("split3 lane", dict(small, lanewise=True, split=3)), ("split2 block", dict(small, split=2)),
-                ("block stages1", dict(small, num_stages=1))]
+                ("block stages1", dict(small, num_stages=1)),
+                ("grouped+prefetch", dict(small, grouped=True, prefetch=True)),
+                ("split3 grouped", dict(small, grouped=True, split=3))]
 
     def launch(bv, w, r=1, **kw):
         return dict(rows_per_program=r, block_v=bv, num_warps=w, **kw)
 
-    out = [("block bv4096 w8", dict(BLOCK))]
+    # the block-wise and the lane-wise loops' defaults first, for the ratios against them
+    out = [("block bv4096 w8", dict(BLOCK)), ("lane+prefetch bv2048 w8", launch(2048, 8, lanewise=True, prefetch=True))]
+    out += [(f"grouped+prefetch bv{bv} w{w}", launch(bv, w, lanewise=True, grouped=True, prefetch=True))
+            for bv, w in ((2048, 8), (1024, 4), (2048, 4), (4096, 8), (4096, 16))]
+    out += [("grouped bv2048 w8", launch(2048, 8, lanewise=True, grouped=True)),
+            ("split2 grouped+prefetch bv2048 w4", launch(2048, 4, lanewise=True, grouped=True, prefetch=True, split=2))]
     out += [(f"lane bv{bv} w{w}", launch(bv, w, lanewise=True)) for bv, w in ((1024, 4), (2048, 4), (2048, 8),
                                                                              (4096, 8), (4096, 16))]
     out += [(f"lane+prefetch bv{bv} w{w}", launch(bv, w, lanewise=True, prefetch=True))
-            for bv, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8))]
+            for bv, w in ((1024, 4), (2048, 4), (4096, 8))]
     out += [(f"split{k} lane bv2048 w4", launch(2048, 4, lanewise=True, split=k)) for k in (2, 4, 8)]
     out += [(f"split{k} lane+prefetch bv2048 w4", launch(2048, 4, lanewise=True, prefetch=True, split=k))
             for k in (2, 4, 8)]

@@ -60,11 +60,14 @@ class KernelConfig:
     rows_per_program: Optional[int] = None  # rows per Triton program; None: 1 on GPU, 16 in the interpreter
     block_v: Optional[int] = None  # vocab columns per Triton tile (power of 2); None: 4096 GPU, 2048 interpreter
     num_warps: int = 8  # warps per Triton program of the log-prob kernels
-    # The log-prob forward's loop. lanewise: running max and sum per lane of the tile, one reduction
-    # after the loop, the next tile loaded while this one is reduced (on an H200: 1.2-1.4x the
-    # block-wise loop in bf16 and on the LM head's 256-row fp32 chunks, 0.96-1.04x on large fp32
-    # batches; docs/benchmarks/gpu-h200.md); blockwise: a max and a sum across the tile every step.
-    forward_loop: Literal["lanewise", "blockwise"] = "lanewise"
+    # The log-prob forward's loop (kernels/logprobs.py, _row_stats). grouped: a running max and sum
+    # per group of the logits one thread loads with one vector load, rescaled once per group, so a
+    # logit costs an FMA, an exp2 and an add (0.65x the lane-wise loop's instructions with the
+    # entropy in bf16, by the sm_90 SASS); lanewise: the same per lane, rescaled per logit with
+    # selects (on an H200: 1.2-1.4x the block-wise loop in bf16 and on the LM head's 256-row fp32
+    # chunks); both load the next tile while they reduce this one (docs/benchmarks/gpu-h200.md);
+    # blockwise: a max and a sum across the tile every step.
+    forward_loop: Literal["grouped", "lanewise", "blockwise"] = "grouped"
     loss_block: int = 1024  # tokens per Triton program of the loss kernel (power of 2)
     # How lm_head_objective computes its gradients (kernels/lm_head.py weighs the two): "slabs"
     # (4 GEMMs, each weight-gradient slab final after one GEMM over every token: 1.21x the naive
@@ -84,8 +87,8 @@ class KernelConfig:
             raise ValueError(f"block_v: must be a power of 2 >= 16, got {self.block_v!r}")
         if self.num_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"num_warps: must be a power of 2 in [1, 32], got {self.num_warps!r}")
-        if self.forward_loop not in ("lanewise", "blockwise"):
-            raise ValueError(f"forward_loop: must be 'lanewise' or 'blockwise', got {self.forward_loop!r}")
+        if self.forward_loop not in ("grouped", "lanewise", "blockwise"):
+            raise ValueError(f"forward_loop: must be 'grouped', 'lanewise' or 'blockwise', got {self.forward_loop!r}")
         if self.objective_grads not in ("auto", "slabs", "chunks"):
             raise ValueError(f"objective_grads: must be 'auto', 'slabs' or 'chunks', got {self.objective_grads!r}")
         if not _is_pow2(self.loss_block) or self.loss_block < 16:
@@ -131,11 +134,12 @@ def _logprob_impl(config: KernelConfig, device: torch.device, n_cols: int) -> Lo
     rows = config.rows_per_program or (1 if on_gpu else 16)
     fits = max(16, 1 << (n_cols - 1).bit_length())
     block_v = min(config.block_v or (4096 if on_gpu else 2048), fits)
-    lanewise = config.forward_loop == "lanewise"
+    grouped = config.forward_loop == "grouped"
+    lanewise = grouped or config.forward_loop == "lanewise"
     # the lane-wise forward's best tile on an H200 (bench/logprob_bandwidth.py) is 2048 wide
     forward_block_v = min(config.block_v or (2048 if lanewise else block_v), fits)
     return LogprobImpl("triton", rows_per_program=rows, block_v=block_v, num_warps=config.num_warps,
-                       forward_block_v=forward_block_v, lanewise=lanewise, prefetch=lanewise)
+                       forward_block_v=forward_block_v, lanewise=lanewise, prefetch=lanewise, grouped=grouped)
 
 
 def _check_targets(targets: torch.Tensor, n_rows: int, n_cols: int, what: str):

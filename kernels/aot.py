@@ -7,7 +7,7 @@ prints one JSON line per variant ({"kernel", "variant", "shared", "num_warps", "
 it in conftest, so tests call this in a subprocess).
 
 Variants: the log-prob kernels at the GPU launch defaults of kernels.KernelConfig (1 row per program,
-BLOCK_V 4096, 8 warps) for fp32 / bf16 / fp16 logits and each constexpr flag; the loss kernel for
+BLOCK_V 4096 (2048 and the grouped loop for the forward), 8 warps) for fp32 / bf16 / fp16 logits and each constexpr flag; the loss kernel for
 every LOSS x EXACT_ANCHOR x CORRECTION x KL combination that an ObjectiveConfig can select (the
 names in kernels/loss.py's LOSS_CODES and CORRECTION_CODES).
 """
@@ -23,6 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 GPU_ROWS, GPU_BLOCK_V, GPU_FORWARD_BLOCK_V, GPU_WARPS, GPU_LOSS_BLOCK = 1, 4096, 2048, 8, 1024
 LOGIT_DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+LOGIT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def variants(only: str | None = None, cover: bool = False) -> list[dict]:
@@ -31,6 +32,7 @@ def variants(only: str | None = None, cover: bool = False) -> list[dict]:
     cover=True keeps a covering subset of the loss kernel (every LOSS with each of its anchors and
     CORRECTION values, and every KL value at least once) for a quick check; the log-prob kernels are
     always all there."""
+    from .logprobs import loop_group
     from .loss import ANCHORED_LOSSES, CORRECTION_CODES, KL_CODES, LOSS_CODES
 
     out = []
@@ -42,7 +44,7 @@ def variants(only: str | None = None, cover: bool = False) -> list[dict]:
                        "log_ratio_ptr": "*fp32", "entropy_ptr": "*fp32", "n_rows": "i32", "n_cols": "i32",
                        "inv_temperature": "fp32"}
                 cx = dict(ROWS=GPU_ROWS, BLOCK_V=GPU_FORWARD_BLOCK_V, HAS_ALPHA=has_alpha, WITH_ENTROPY=with_entropy,
-                          LANEWISE=True, PREFETCH=True)
+                          LANEWISE=True, PREFETCH=True, GROUP=loop_group(LOGIT_BYTES[dtype], GPU_FORWARD_BLOCK_V))
                 out.append(dict(kernel="logprob_fwd_kernel", dtype=dtype, signature=sig, constexprs=cx,
                                 num_warps=GPU_WARPS))
             for with_entropy_grad in (False, True):

@@ -110,6 +110,7 @@ def torch_backward(logits, targets, lse, grad_logp, entropy, grad_entropy, inv_t
 # log2(e): exp(y) = exp2(y * LOG2E); the lane-wise loop folds it into the scale 1/T (one multiply).
 LOG2E = tl.constexpr(1.4426950408889634)
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -152,9 +153,27 @@ def _step(x, m, s, w, inv_temperature, scale2, WITH_ENTROPY: tl.constexpr, LANEW
 
 
 @triton.jit
+def _grouped_step(x, m, s, w2, scale2, GROUP: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    """One block x [ROWS, BLOCK_V] folded into the running (m, s, w2) [ROWS, BLOCK_V // GROUP] of
+    each group of GROUP adjacent columns (see _row_stats, GROUP > 1)."""
+    x3 = tl.reshape(x.to(tl.float32), [x.shape[0], x.shape[1] // GROUP, GROUP])
+    m_new = tl.maximum(m, tl.max(x3, axis=2))
+    # <= 0; -inf the first time (m = -FP32_MAX), clamped so that shift * s = 0, not nan
+    shift = tl.maximum((m - m_new) * scale2, -FP32_MAX)
+    alpha = tl.exp2(shift)
+    y = (x3 - m_new[:, :, None]) * scale2  # log2 of e^(z - m / T), <= 0
+    e = tl.exp2(y)
+    if WITH_ENTROPY:
+        y = tl.maximum(y, -FP32_MAX)  # x = -inf: e * y = 0, not nan
+        w2 = alpha * (w2 + shift * s) + tl.sum(e * y, axis=2)
+    s = alpha * s + tl.sum(e, axis=2)
+    return m_new, s, w2
+
+
+@triton.jit
 def _row_stats(row_ptrs, row_mask, lo, hi, inv_temperature,
                ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-               LANEWISE: tl.constexpr, PREFETCH: tl.constexpr):
+               LANEWISE: tl.constexpr, PREFETCH: tl.constexpr, GROUP: tl.constexpr):
     """(m, s, w) [ROWS] fp32 of columns [lo, hi) of each row, with z = logits / T:
     m = max z, s = sum exp(z - m), w = sum exp(z - m) (z - m) (0 without WITH_ENTROPY), so that
     lse = m + log s and entropy = log s - w / s (no cancellation at |z| ~ 1e4). m = -inf (s = w = 0)
@@ -173,7 +192,11 @@ def _row_stats(row_ptrs, row_mask, lo, hi, inv_temperature,
     sinks that load below the arithmetic, into the registers the arithmetic frees.)"""
     cols = tl.arange(0, BLOCK_V)
     scale2 = inv_temperature * LOG2E  # log2(e) / T
-    if LANEWISE:
+    if GROUP > 1:
+        m = tl.full([ROWS, BLOCK_V // GROUP], -FP32_MAX, tl.float32)
+        s = tl.zeros([ROWS, BLOCK_V // GROUP], tl.float32)
+        w = tl.zeros([ROWS, BLOCK_V // GROUP], tl.float32)
+    elif LANEWISE:
         # -FP32_MAX, not -inf: x - m is then never -inf - -inf (nan); a lane that sees no finite
         # logit keeps s = 0 and drops out of the final combine.
         m = tl.full([ROWS, BLOCK_V], -FP32_MAX, tl.float32)
@@ -188,15 +211,35 @@ def _row_stats(row_ptrs, row_mask, lo, hi, inv_temperature,
         xa = _load_block(row_ptrs, row_mask, lo, hi, cols)
         xb = _load_block(row_ptrs, row_mask, lo + BLOCK_V, hi, cols)
         for start in range(lo, hi, 2 * BLOCK_V):
-            m, s, w = _step(xa, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
+            if GROUP > 1:
+                m, s, w = _grouped_step(xa, m, s, w, scale2, GROUP, WITH_ENTROPY)
+            else:
+                m, s, w = _step(xa, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
             xa = _load_block(row_ptrs, row_mask, start + 2 * BLOCK_V, hi, cols)
-            m, s, w = _step(xb, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
+            if GROUP > 1:
+                m, s, w = _grouped_step(xb, m, s, w, scale2, GROUP, WITH_ENTROPY)
+            else:
+                m, s, w = _step(xb, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
             xb = _load_block(row_ptrs, row_mask, start + 3 * BLOCK_V, hi, cols)
     else:
         for start in range(lo, hi, BLOCK_V):
             x = _load_block(row_ptrs, row_mask, start, hi, cols)
-            m, s, w = _step(x, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
-    if LANEWISE:  # combine the lanes of each row; raw logits -> z units (times 1/T)
+            if GROUP > 1:
+                m, s, w = _grouped_step(x, m, s, w, scale2, GROUP, WITH_ENTROPY)
+            else:
+                m, s, w = _step(x, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
+    if GROUP > 1:  # combine the groups of each row; log2 units -> z units (times ln 2)
+        m_row = tl.max(m, axis=1)
+        gap = tl.maximum((m - m_row[:, None]) * scale2, -FP32_MAX)  # <= 0, finite
+        a = tl.exp2(gap)
+        s_row = tl.sum(a * s, axis=1)
+        if WITH_ENTROPY:
+            w_row = tl.sum(a * (w + gap * s), axis=1) * LN2
+        else:
+            w_row = tl.zeros([ROWS], tl.float32)
+        m = tl.where(s_row > 0, m_row * inv_temperature, float("-inf"))
+        s, w = s_row, w_row
+    elif LANEWISE:  # combine the lanes of each row; raw logits -> z units (times 1/T)
         m_row = tl.max(m, axis=1)
         gap = m - m_row[:, None]  # <= 0, finite
         a = tl.exp2(gap * scale2)
@@ -240,14 +283,14 @@ def logprob_fwd_kernel(
     n_rows, n_cols, inv_temperature,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_ALPHA: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    LANEWISE: tl.constexpr, PREFETCH: tl.constexpr,
+    LANEWISE: tl.constexpr, PREFETCH: tl.constexpr, GROUP: tl.constexpr,
 ):
     """One program per ROWS rows, one pass over the whole vocabulary."""
     # int64 row offsets: row * stride overflows int32 at Qwen sizes (2048 * 151936 > 2^31 / 8).
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     row_mask = rows < n_rows
     m, s, w = _row_stats(logits_ptr + rows * stride_logits_row, row_mask, 0, n_cols, inv_temperature,
-                         ROWS, BLOCK_V, WITH_ENTROPY, LANEWISE, PREFETCH)
+                         ROWS, BLOCK_V, WITH_ENTROPY, LANEWISE, PREFETCH, GROUP)
     _finish(logits_ptr, stride_logits_row, targets_ptr, logp_alpha_ptr, logp_ptr, lse_ptr, log_ratio_ptr,
             entropy_ptr, rows, row_mask, m, s, w, inv_temperature, HAS_ALPHA, WITH_ENTROPY)
 
@@ -257,7 +300,7 @@ def logprob_partial_kernel(
     logits_ptr, stride_logits_row, partial_ptr,
     n_rows, n_cols, n_split, inv_temperature,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    LANEWISE: tl.constexpr, PREFETCH: tl.constexpr,
+    LANEWISE: tl.constexpr, PREFETCH: tl.constexpr, GROUP: tl.constexpr,
 ):
     """Split vocabulary: program (i, k) reduces the k-th of n_split slices of rows i*ROWS.. (whole
     BLOCK_V blocks, the last slices shorter or empty) to partial (m, s, w), stored at
@@ -269,7 +312,7 @@ def logprob_partial_kernel(
     lo = split * blocks_per_split * BLOCK_V
     hi = tl.minimum(lo + blocks_per_split * BLOCK_V, n_cols)
     m, s, w = _row_stats(logits_ptr + rows * stride_logits_row, row_mask, lo, hi, inv_temperature,
-                         ROWS, BLOCK_V, WITH_ENTROPY, LANEWISE, PREFETCH)
+                         ROWS, BLOCK_V, WITH_ENTROPY, LANEWISE, PREFETCH, GROUP)
     out = partial_ptr + split.to(tl.int64) * n_rows + rows
     plane = n_split * n_rows  # n_split >= 2 (split=1 runs logprob_fwd_kernel)
     tl.store(out, m, mask=row_mask)
@@ -345,13 +388,20 @@ def _grid(n_rows, rows_per_program):
     return (triton.cdiv(n_rows, rows_per_program),)
 
 
+def loop_group(element_size: int, block_v: int) -> int:
+    """The grouped loop's group: the logits one thread loads with one 16-byte vector load (8 bf16,
+    4 fp32), so that the group's max needs no exchange between threads."""
+    return min(16 // element_size, block_v)
+
+
 def triton_forward(logits, targets, inv_temperature, with_entropy, logp_alpha=None, *,
                    rows_per_program, block_v, num_warps, split=1, lanewise=False, prefetch=False,
-                   num_stages=None):
+                   grouped=False, num_stages=None):
     """Same contract as torch_forward (+ log_ratio when logp_alpha is given). split=1: one Triton
     launch, a program per rows_per_program rows over the whole vocabulary; split > 1: each row's
     vocabulary over `split` programs (logprob_partial_kernel) then one small merge launch
-    (logprob_combine_kernel). lanewise, prefetch: the loop variants of _row_stats. num_stages:
+    (logprob_combine_kernel). lanewise, prefetch, grouped: the loop variants of _row_stats (grouped
+    implies lanewise; its group is one 16-byte vector load of the logits' dtype). num_stages:
     Triton's software pipelining depth (None: Triton's default)."""
     n_rows, n_cols = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
@@ -361,6 +411,8 @@ def triton_forward(logits, targets, inv_temperature, with_entropy, logp_alpha=No
     if n_rows == 0:
         return logp, lse, entropy, log_ratio
     stages = {} if num_stages is None else {"num_stages": num_stages}
+    group = loop_group(logits.element_size(), block_v) if grouped else 1
+    lanewise = lanewise or grouped
     outputs = (logp_alpha if logp_alpha is not None else logp, logp, lse,
                log_ratio if log_ratio is not None else logp, entropy if with_entropy else logp)
     if split == 1:
@@ -369,14 +421,14 @@ def triton_forward(logits, targets, inv_temperature, with_entropy, logp_alpha=No
             n_rows, n_cols, float(inv_temperature),
             ROWS=rows_per_program, BLOCK_V=block_v,
             HAS_ALPHA=logp_alpha is not None, WITH_ENTROPY=with_entropy,
-            LANEWISE=lanewise, PREFETCH=prefetch, num_warps=num_warps, **stages,
+            LANEWISE=lanewise, PREFETCH=prefetch, GROUP=group, num_warps=num_warps, **stages,
         )
         return logp, lse, entropy, log_ratio
     partial = torch.empty((3, split, n_rows), **f32)  # (m, s, w) of each slice of each row
     logprob_partial_kernel[(triton.cdiv(n_rows, rows_per_program), split)](
         logits, logits.stride(0), partial, n_rows, n_cols, split, float(inv_temperature),
         ROWS=rows_per_program, BLOCK_V=block_v, WITH_ENTROPY=with_entropy,
-        LANEWISE=lanewise, PREFETCH=prefetch, num_warps=num_warps, **stages,
+        LANEWISE=lanewise, PREFETCH=prefetch, GROUP=group, num_warps=num_warps, **stages,
     )
     combine_rows = 64
     logprob_combine_kernel[_grid(n_rows, combine_rows)](
@@ -410,12 +462,12 @@ class LogprobImpl:
     """One backend's (forward, backward) pair with its launch parameters bound.
 
     rows_per_program, block_v, num_warps: both Triton kernels. forward_block_v (default block_v),
-    split, lanewise, prefetch, num_stages: the forward only (see triton_forward); kernels.KernelConfig
-    picks them (its forward_loop)."""
+    split, lanewise, prefetch, grouped, num_stages: the forward only (see triton_forward);
+    kernels.KernelConfig picks them (its forward_loop)."""
 
     def __init__(self, backend: str, rows_per_program: int = 1, block_v: int = 4096, num_warps: int = 8, *,
                  forward_block_v=None, split: int = 1, lanewise: bool = False, prefetch: bool = False,
-                 num_stages=None):
+                 grouped: bool = False, num_stages=None):
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend: must be 'torch' or 'triton', got {backend!r}")
         if not isinstance(split, int) or isinstance(split, bool) or split < 1:
@@ -423,7 +475,8 @@ class LogprobImpl:
         self.backend = backend
         self.launch = dict(rows_per_program=rows_per_program, block_v=block_v, num_warps=num_warps)
         self.forward_launch = dict(self.launch, block_v=forward_block_v or block_v, split=split,
-                                   lanewise=bool(lanewise), prefetch=bool(prefetch), num_stages=num_stages)
+                                   lanewise=bool(lanewise), prefetch=bool(prefetch), grouped=bool(grouped),
+                                   num_stages=num_stages)
 
     def forward(self, logits, targets, inv_temperature, with_entropy, logp_alpha=None):
         if self.backend == "torch":

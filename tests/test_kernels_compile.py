@@ -87,9 +87,12 @@ def test_compiled_variants_cover_what_the_dispatch_picks():
     assert impl.launch == dict(rows_per_program=aot.GPU_ROWS, block_v=aot.GPU_BLOCK_V, num_warps=aot.GPU_WARPS)
     forward = {v["constexprs"]["BLOCK_V"] for v in aot.variants("logprob") if v["kernel"] == "logprob_fwd_kernel"}
     assert forward == {impl.forward_launch["block_v"]}
-    assert impl.forward_launch["lanewise"] and impl.forward_launch["prefetch"]
+    assert impl.forward_launch["lanewise"] and impl.forward_launch["prefetch"] and impl.forward_launch["grouped"]
     assert {(v["constexprs"]["LANEWISE"], v["constexprs"]["PREFETCH"]) for v in aot.variants("logprob")
             if v["kernel"] == "logprob_fwd_kernel"} == {(True, True)}
+    # the grouped loop's group is one 16-byte load of each dtype: 4 fp32, 8 bf16 / fp16
+    assert {(v["dtype"], v["constexprs"]["GROUP"]) for v in aot.variants("logprob")
+            if v["kernel"] == "logprob_fwd_kernel"} == {("fp32", 4), ("bf16", 8), ("fp16", 8)}
 
 
 def test_covering_subset_has_every_constexpr_value():

@@ -176,7 +176,7 @@ def test_kernel_config_validation(field, value, message):
 
 
 # --------------------------------------------------------------------------- forward variants
-# kernels/logprobs.py's loop variants (lane-wise accumulators, two-buffer prefetch) and the
+# kernels/logprobs.py's loop variants (lane-wise and grouped accumulators, two-buffer prefetch) and the
 # split-vocabulary kernels, each against torch_forward (the definition). V = 600 in blocks of 64:
 # 10 blocks, so split=3 gives slices of 4, 4, 2 blocks, split=4 of 3, 3, 3, 1 and split=6 leaves the
 # last slice empty; 19 rows in programs of 8; rows at +-1e4 and a row half -inf.
@@ -188,6 +188,9 @@ VARIANTS = {
     "split3": dict(split=3),
     "split4 lanewise": dict(split=4, lanewise=True),
     "split6 lanewise+prefetch": dict(split=6, lanewise=True, prefetch=True),
+    "grouped": dict(grouped=True),
+    "grouped+prefetch": dict(grouped=True, prefetch=True),
+    "split3 grouped+prefetch": dict(split=3, grouped=True, prefetch=True),
 }
 TILES = dict(rows_per_program=8, block_v=64, num_warps=4)
 
@@ -226,7 +229,7 @@ def test_forward_variants_match_torch_forward(variant, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", ["lanewise+prefetch", "split4 lanewise"])
+@pytest.mark.parametrize("variant", ["lanewise+prefetch", "split4 lanewise", "grouped+prefetch"])
 def test_forward_variants_through_autograd(variant, dtype):
     # The backward reads the forward's lse and entropy: a variant's gradients equal the naive formula's.
     from kernels.logprobs import LogprobImpl, TokenLogprobs
@@ -283,7 +286,7 @@ def test_the_bandwidth_bench_names_the_trainers_launch_as_its_default():
     assert len(defaults) == 1 and named[0] == defaults[0]
     launch = {**bench.LAUNCH_DEFAULTS, **defaults[0][1]}
     assert launch == {**bench.LAUNCH_DEFAULTS, **kernels._logprob_impl(KernelConfig(), torch.device("cuda"), bench.V).forward_launch}
-    assert launch["lanewise"] and launch["prefetch"] and defaults[0][0].startswith("lane+prefetch")
+    assert launch["grouped"] and launch["prefetch"] and defaults[0][0].startswith("grouped+prefetch")
 
 
 def test_bandwidth_bench_flags_a_variant_off_the_reference(tmp_path, monkeypatch):
