@@ -60,13 +60,12 @@ class KernelConfig:
     rows_per_program: Optional[int] = None  # rows per Triton program; None: 1 on GPU, 16 in the interpreter
     block_v: Optional[int] = None  # vocab columns per Triton tile (power of 2); None: 4096 GPU, 2048 interpreter
     num_warps: int = 8  # warps per Triton program of the log-prob kernels
-    # The log-prob forward's loop (kernels/logprobs.py, _row_stats). grouped: a running max and sum
-    # per group of the logits one thread loads with one vector load, rescaled once per group, so a
-    # logit costs an FMA, an exp2 and an add (0.65x the lane-wise loop's instructions with the
-    # entropy in bf16, by the sm_90 SASS); lanewise: the same per lane, rescaled per logit with
-    # selects (on an H200: 1.2-1.4x the block-wise loop in bf16 and on the LM head's 256-row fp32
-    # chunks); both load the next tile while they reduce this one (docs/benchmarks/gpu-h200.md);
-    # blockwise: a max and a sum across the tile every step.
+    # The log-prob forward's loop (kernels/logprobs.py, _row_stats). grouped: a running max and sums
+    # per group of the logits one thread loads with one vector load, rescaled once per group (on an
+    # H200, bf16 with the entropy: 80-93% of HBM peak, 1.29-1.35x the lane-wise loop); lanewise: the
+    # same per lane, rescaled at every logit with selects (1.2-1.4x the block-wise loop in bf16);
+    # both load the next tile while they reduce this one (docs/benchmarks/gpu-h200.md); blockwise: a
+    # max and a sum across the tile every step.
     forward_loop: Literal["grouped", "lanewise", "blockwise"] = "grouped"
     loss_block: int = 1024  # tokens per Triton program of the loss kernel (power of 2)
     # How lm_head_objective computes its gradients (kernels/lm_head.py weighs the two): "slabs"
