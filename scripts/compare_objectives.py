@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from grpo.config import ConfigError, load_config  # noqa: E402
+from grpo.cpu.bf16 import lm_head_bf16_math_installed  # noqa: E402
 from grpo.models import load_tokenizer  # noqa: E402
 from grpo.objective import finalize_stats  # noqa: E402
 from grpo.optim import build_optimizer, build_scheduler  # noqa: E402
@@ -82,15 +83,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def trainer_policy(cfg: TrainConfig, model_path: str, trainable: bool) -> Policy:
     """The policy train.py would build from `model_path` under cfg: FSDP2 over this process, in the
-    compute dtype model.dtype gives here, the LM head in the trainer's CPU math mode. A plain fp32
-    model is not the run's arithmetic where the run trained in bf16: --follow's gradient norms left
-    the run's from the first step (1.5e-4 relative) and by 5% after eight."""
+    compute dtype model.dtype gives here (the LM head in the trainer's CPU math mode: main). A plain
+    fp32 model is not the run's arithmetic where the run trained in bf16: --follow's gradient norms
+    left the run's from the first step (1.5e-4 relative) and by 5% after eight."""
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=model_path))
-    policy = train.build_policy(cfg, DEVICE, trainable)
-    from grpo.cpu.bf16 import install_lm_head_bf16_math
-
-    install_lm_head_bf16_math()  # what grpo.cpu.tune_trainer gives a CPU trainer's head
-    return policy
+    return train.build_policy(cfg, DEVICE, trainable)
 
 
 class Follower:
@@ -208,7 +205,9 @@ def main(argv=None) -> int:
             if args.follow else None
         init_distributed(DEVICE)  # FSDP2's process group: this process alone
         try:
-            rows = compare(run_dir, base, objectives, args.model or base.model.path, follow)
+            # the LM head's CPU math mode that grpo.cpu.tune_trainer gives a trainer, for this call only
+            with lm_head_bf16_math_installed():
+                rows = compare(run_dir, base, objectives, args.model or base.model.path, follow)
         finally:
             close_distributed()
     except (ConfigError, ReplayError) as e:

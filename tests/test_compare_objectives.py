@@ -51,6 +51,25 @@ def test_the_objectives_updates_on_the_same_batches(recorded, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == 9
 
 
+def test_main_gives_back_the_lm_heads_cpu_math_mode_it_found(recorded):
+    """compare_objectives takes the trainer's CPU math mode for its LM head (grpo.cpu.bf16) while it
+    runs, and gives the process back the mode it found: run in another program's process (a test, a
+    notebook), it left oneDNN's bf16 mode installed where a CPU honours it (AMX), and the next exact
+    fp32 head in that process took bf16-rounded gradients."""
+    import kernels.lm_head as lm_head
+
+    def found():  # a mode this process had, which main must leave in place
+        raise AssertionError("not entered: main installs its own mode while it runs")
+
+    lm_head.set_cpu_bf16_gemms(found)
+    try:
+        assert compare_objectives.main(["--run", str(recorded), "--out", str(recorded / "cmp"),
+                                        "--objective", "grpo"]) == 0
+        assert lm_head.CPU_BF16_GEMMS is found
+    finally:
+        lm_head.set_cpu_bf16_gemms(None)
+
+
 def test_a_run_that_recorded_nothing_is_one_line(tmp_path, capsys):
     (tmp_path / "config.yaml").write_text("grpo:\n  G: 4\n")
     assert compare_objectives.main(["--run", str(tmp_path), "--objective", "grpo"]) == 2

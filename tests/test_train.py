@@ -262,7 +262,13 @@ def test_compare_objectives_follow_walks_the_recorded_runs_own_parameters(two_ra
     followed = [n for r in rows if r["objective"] == "grpo" for n in r["run_grad_norms"]]
     assert any(n > 0 for n in followed), "no learning signal: the parameters would not move"
     assert followed[0] == pytest.approx(live[0]["grad_norm"], rel=1e-5)  # the same parameters, the same step
-    assert followed == pytest.approx([r["grad_norm"] for r in live], rel=1e-3)
+    live_norms = [r["grad_norm"] for r in live]
+    assert [n == 0 for n in followed] == [n == 0 for n in live_norms]  # the all-masked batch, exactly
+    # Where the CPU multiplies bf16 the model runs in bf16, and this process's micro-batches are not
+    # the ranks' (other GEMM shapes, other roundings): the parameters part by bf16 noise that AdamW
+    # scales up, an absolute difference of bf16's order (7e-5 at a norm of 0.04 on an AMX Xeon, 1.8e-3
+    # relative); on an AVX2 CPU (fp32) the relative bound alone held.
+    assert followed == pytest.approx(live_norms, rel=1e-3, abs=1e-4)
     assert [r["alpha_lag_steps"] for r in rows if r["objective"] == "grpo"] == [0, 2, 0, 2]  # v = 2, i = 2
 
 

@@ -108,3 +108,18 @@ def install_lm_head_bf16_math() -> bool:
     honoured = onednn_bf16_math_honoured()
     lm_head.set_cpu_bf16_gemms(onednn_bf16_math if honoured else None)
     return honoured
+
+
+@contextlib.contextmanager
+def lm_head_bf16_math_installed():
+    """install_lm_head_bf16_math for a block, then the head's previous mode back: for a tool that
+    takes the trainer's arithmetic inside another program's process (scripts/compare_objectives.py
+    under a test or a notebook), where the mode must not outlive the call."""
+    from kernels import lm_head
+
+    previous = lm_head.CPU_BF16_GEMMS
+    install_lm_head_bf16_math()
+    try:
+        yield
+    finally:
+        lm_head.set_cpu_bf16_gemms(previous)
