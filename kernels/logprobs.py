@@ -171,6 +171,20 @@ def _grouped_step(x, m, s, w2, scale2, GROUP: tl.constexpr, WITH_ENTROPY: tl.con
 
 
 @triton.jit
+def _merge_columns(m_row, s, w, gap, exponent, w_to_z, inv_temperature, ROWS: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    """A row's (m, s, w) in z units (see _row_stats) from its columns' running sums, each relative to
+    its column's max: m_row the row's max logit, gap each column's max below it in w's units and
+    exponent the same in log2 units, w_to_z the factor from w's units to z's."""
+    a = tl.exp2(exponent)
+    s_row = tl.sum(a * s, axis=1)
+    if WITH_ENTROPY:
+        w_row = tl.sum(a * (w + gap * s), axis=1) * w_to_z
+    else:
+        w_row = tl.zeros([ROWS], tl.float32)
+    return tl.where(s_row > 0, m_row * inv_temperature, float("-inf")), s_row, w_row
+
+
+@triton.jit
 def _row_stats(row_ptrs, row_mask, lo, hi, inv_temperature,
                ROWS: tl.constexpr, BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
                LANEWISE: tl.constexpr, PREFETCH: tl.constexpr, GROUP: tl.constexpr):
@@ -228,28 +242,14 @@ def _row_stats(row_ptrs, row_mask, lo, hi, inv_temperature,
                 m, s, w = _grouped_step(x, m, s, w, scale2, GROUP, WITH_ENTROPY)
             else:
                 m, s, w = _step(x, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
-    if GROUP > 1:  # combine the groups of each row; log2 units -> z units (times ln 2)
+    if GROUP > 1:  # combine the groups of each row; their sums are in log2 units
         m_row = tl.max(m, axis=1)
         gap = tl.maximum((m - m_row[:, None]) * scale2, -FP32_MAX)  # <= 0, finite
-        a = tl.exp2(gap)
-        s_row = tl.sum(a * s, axis=1)
-        if WITH_ENTROPY:
-            w_row = tl.sum(a * (w + gap * s), axis=1) * LN2
-        else:
-            w_row = tl.zeros([ROWS], tl.float32)
-        m = tl.where(s_row > 0, m_row * inv_temperature, float("-inf"))
-        s, w = s_row, w_row
-    elif LANEWISE:  # combine the lanes of each row; raw logits -> z units (times 1/T)
+        m, s, w = _merge_columns(m_row, s, w, gap, gap, LN2, inv_temperature, ROWS, WITH_ENTROPY)
+    elif LANEWISE:  # combine the lanes of each row; their sums are in raw logits
         m_row = tl.max(m, axis=1)
         gap = m - m_row[:, None]  # <= 0, finite
-        a = tl.exp2(gap * scale2)
-        s_row = tl.sum(a * s, axis=1)
-        if WITH_ENTROPY:
-            w_row = tl.sum(a * (w + gap * s), axis=1) * inv_temperature
-        else:
-            w_row = tl.zeros([ROWS], tl.float32)
-        m = tl.where(s_row > 0, m_row * inv_temperature, float("-inf"))
-        s, w = s_row, w_row
+        m, s, w = _merge_columns(m_row, s, w, gap, gap * scale2, inv_temperature, inv_temperature, ROWS, WITH_ENTROPY)
     return m, s, w
 
 
