@@ -50,10 +50,24 @@ def _group_of(item):
 _is_worker = False  # a pytest-xdist worker (its reports reach the controller, which records them)
 
 
+def worker_threads(usable_cores: int, workers: int) -> int:
+    """Intra-op threads for the in-process tests of one of `workers` pytest-xdist workers: its share
+    of the cores, at least one."""
+    return max(1, usable_cores // workers)
+
+
 def pytest_configure(config):
     global _is_worker
     # Not PYTEST_XDIST_WORKER: a pytest started by a test inherits its worker's environment.
     _is_worker = hasattr(config, "workerinput")
+    if _is_worker:
+        # Workers share the cores: at full width each (two threads per worker on two cores) their
+        # threads waited on each other in OpenMP's barriers; on its share the quick tier took 31-34 s
+        # against 38-39 s (docs/tests.md, "Threads"). Only this process: the trainers, servers and
+        # ranks a test starts pick their own threads.
+        import torch
+
+        torch.set_num_threads(worker_threads(len(os.sched_getaffinity(0)), config.workerinput["workercount"]))
     if not _is_worker and config.getoption("dist", "no") == "loadgroup":
         import tempfile
 

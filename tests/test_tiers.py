@@ -151,3 +151,16 @@ def test_the_timeline_summary_says_each_workers_busy_share_and_idle_tail():
     assert result["workers"] == {"gw0": {"busy_s": 30.0, "busy_share": 1.0, "idle_at_end_s": 0.0},
                                  "gw1": {"busy_s": 10.0, "busy_share": 0.333, "idle_at_end_s": 18.0}}
     assert result["tail"] == [{"test": "c", "worker": "gw0", "seconds": 20.0, "started_s": 10.0}]
+
+
+def test_each_worker_computes_on_its_share_of_the_cores(request):
+    """conftest gives each pytest-xdist worker's in-process torch its share of the cores (at least one
+    thread): at full width each, the workers' threads waited on each other in OpenMP's barriers."""
+    import torch
+
+    from conftest import worker_threads
+
+    assert [worker_threads(2, n) for n in (1, 2, 3)] == [2, 1, 1] and worker_threads(16, 3) == 5
+    workerinput = getattr(request.config, "workerinput", None)
+    if workerinput is not None:  # make test and make test-quick run workers
+        assert torch.get_num_threads() == worker_threads(len(os.sched_getaffinity(0)), workerinput["workercount"])
