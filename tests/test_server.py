@@ -1661,7 +1661,10 @@ def test_a_score_at_another_temperature_whose_client_hung_up_while_it_waited_hol
     gate woke them only when a reader or writer finished), and the engine's logits stay undivided."""
     _push_next(server, tiny["hf"].state_dict())
     prompts = tiny["prompt_ids"]
-    busy = {"prompt_token_ids": prompts * 4, "n": 8, "max_tokens": 200, "temperature": 1.0}  # 64 sequences
+    # 256 sequences: it must outlast the score's 1 s and the small generate after it. 64 took 1.5-1.7 s
+    # after this file's earlier tests (their EOS came early), and a score that reached the engine
+    # 0.5 s late on a loaded machine was answered: "DID NOT RAISE" (the suite at 3563e44).
+    busy = {"prompt_token_ids": prompts * 16, "n": 8, "max_tokens": 200, "temperature": 1.0}
     score = {"sequences": [{"prompt_token_ids": prompts[0], "completion_token_ids": [7, 8, 9]}], "temperature": 0.7}
     with ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
