@@ -1507,6 +1507,15 @@ def _largest_scores_together(server, prompt, temperature: float):
     return together
 
 
+def _engine_idle(server, within_s: float = 120.0) -> None:
+    """Wait until the engine has no unfinished request: a test that then waits for `requests > 0` sees
+    its own batch arrive, not one an earlier test's hung-up client left running."""
+    deadline = time.monotonic() + within_s
+    while server.load()["requests"] > 0:
+        assert time.monotonic() < deadline, f"the engine still had requests after {within_s:.0f} s"
+        time.sleep(0.05)
+
+
 def _loaded(server, version: int, state_dict: dict, keep_requests: bool, weights_dir=None) -> dict:
     """The second half of a push (server.push writes first): the server loads an already written
     version (written here unless weights_dir is given), swapping the weights under in-flight
@@ -1611,6 +1620,7 @@ def test_a_push_without_keep_requests_lets_an_in_flight_generation_finish_on_its
     old = _push_next(server, _perturbed(tiny["hf"], seed=33))
     body = {"prompt_token_ids": tiny["prompt_ids"], "n": 4, "max_tokens": 200, "temperature": 0.7,
             "inflight_updates": True}
+    _engine_idle(server)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(lambda: _client(server).request("POST", "/grpo/generate", json_body=body))
         while server.load()["requests"] == 0:
@@ -1666,6 +1676,7 @@ def test_a_score_at_another_temperature_whose_client_hung_up_while_it_waited_hol
     # 0.5 s late on a loaded machine was answered: "DID NOT RAISE" (the suite at 3563e44).
     busy = {"prompt_token_ids": prompts * 16, "n": 8, "max_tokens": 200, "temperature": 1.0}
     score = {"sequences": [{"prompt_token_ids": prompts[0], "completion_token_ids": [7, 8, 9]}], "temperature": 0.7}
+    _engine_idle(server)
     with ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
         running = pool.submit(lambda: _client(server).request("POST", "/grpo/generate", json_body=busy))
