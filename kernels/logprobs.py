@@ -122,9 +122,12 @@ def _load_block(row_ptrs, row_mask, start, hi, cols):
 
 
 @triton.jit
-def _step(x, m, s, w, inv_temperature, scale2, WITH_ENTROPY: tl.constexpr, LANEWISE: tl.constexpr):
+def _step(x, m, s, w, inv_temperature, scale2, WITH_ENTROPY: tl.constexpr, LANEWISE: tl.constexpr,
+          GROUP: tl.constexpr):
     """One block x [ROWS, BLOCK_V] folded into the running (m, s, w) (see _row_stats)."""
-    if LANEWISE:
+    if GROUP > 1:
+        m, s, w = _grouped_step(x, m, s, w, scale2, GROUP, WITH_ENTROPY)
+    elif LANEWISE:
         x = x.to(tl.float32)
         d = x - m
         up = d > 0  # x is the lane's new max
@@ -225,23 +228,14 @@ def _row_stats(row_ptrs, row_mask, lo, hi, inv_temperature,
         xa = _load_block(row_ptrs, row_mask, lo, hi, cols)
         xb = _load_block(row_ptrs, row_mask, lo + BLOCK_V, hi, cols)
         for start in range(lo, hi, 2 * BLOCK_V):
-            if GROUP > 1:
-                m, s, w = _grouped_step(xa, m, s, w, scale2, GROUP, WITH_ENTROPY)
-            else:
-                m, s, w = _step(xa, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
+            m, s, w = _step(xa, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE, GROUP)
             xa = _load_block(row_ptrs, row_mask, start + 2 * BLOCK_V, hi, cols)
-            if GROUP > 1:
-                m, s, w = _grouped_step(xb, m, s, w, scale2, GROUP, WITH_ENTROPY)
-            else:
-                m, s, w = _step(xb, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
+            m, s, w = _step(xb, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE, GROUP)
             xb = _load_block(row_ptrs, row_mask, start + 3 * BLOCK_V, hi, cols)
     else:
         for start in range(lo, hi, BLOCK_V):
             x = _load_block(row_ptrs, row_mask, start, hi, cols)
-            if GROUP > 1:
-                m, s, w = _grouped_step(x, m, s, w, scale2, GROUP, WITH_ENTROPY)
-            else:
-                m, s, w = _step(x, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE)
+            m, s, w = _step(x, m, s, w, inv_temperature, scale2, WITH_ENTROPY, LANEWISE, GROUP)
     if GROUP > 1:  # combine the groups of each row; their sums are in log2 units
         m_row = tl.max(m, axis=1)
         gap = tl.maximum((m - m_row[:, None]) * scale2, -FP32_MAX)  # <= 0, finite
