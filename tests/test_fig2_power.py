@@ -104,7 +104,8 @@ def test_an_arm_can_wait_as_pending(tmp_path):
 
 def test_replicate_runs_the_design(tmp_path):
     """The Makefile's replicate target and configs/cpu_fig2.yaml say what the design file says: its
-    seeds, its runnable arms and their overrides, its sweep names, its eval and its checkpoints."""
+    seeds, its runnable arms and their overrides, its sweep names, its eval and its checkpoints, and
+    one precision (fp32) for every run whatever the CPU."""
     design = power.load_design()
     make = (ROOT / "Makefile").read_text().replace("\\\n", " ")
     var = {m[1]: m[2].strip() for m in re.finditer(r"^([A-Z0-9_]+) := (.*)$", make, re.M)}
@@ -120,6 +121,8 @@ def test_replicate_runs_the_design(tmp_path):
         loaded = load_config(TrainConfig, ROOT / "configs" / "cpu_fig2.yaml", list(overrides))
         assert (loaded.grpo.lag, loaded.push.policy) == ((1, "every_v") if arm == "lag1" else (0, "drift")
                                                           if arm == "drift-push" else (0, "every_v"))
+        # one arithmetic on every CPU a sitting lands on: auto would train and serve bf16 on AMX, fp32 on AVX2
+        assert (loaded.model.dtype, loaded.server.dtype) == ("float32", "float32"), arm
     cfg = yaml.safe_load((ROOT / "configs" / "cpu_fig2.yaml").read_text())
     assert (cfg["eval"]["n_problems"], cfg["eval"]["k"]) == (design.n_problems, design.k)
     assert cfg["eval_data"]["arithmetic"]["eval_size"] == design.n_problems  # all of the held-out sums
