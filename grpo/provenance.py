@@ -20,6 +20,11 @@ FILE = "provenance.jsonl"
 ROOT = Path(__file__).resolve().parent.parent  # the checkout train.py runs from
 
 
+def usable_cores() -> list[int]:
+    """The cores this process may run on (all of the machine's where the OS cannot say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def _git(root: Path, *args: str) -> Optional[str]:
     try:
         out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
@@ -67,9 +72,8 @@ def machine(cpuinfo: Optional[str] = None) -> dict:
         torch = sys.modules["torch"]
         if torch.cuda.is_available():
             gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": model, "cpu_kind": cpu_kind(flags), "flags": flags, "cores": os.cpu_count(),
-            "usable_cores": usable, "gpus": gpus, "platform": platform.platform()}
+            "usable_cores": len(usable_cores()), "gpus": gpus, "platform": platform.platform()}
 
 
 def machine_text(m: dict) -> str:

@@ -56,11 +56,6 @@ def worker_threads(usable_cores: int, workers: int) -> int:
     return max(1, usable_cores // workers)
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (all of the machine's where the OS cannot say)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def pytest_configure(config):
     global _is_worker
     # Not PYTEST_XDIST_WORKER: a pytest started by a test inherits its worker's environment.
@@ -72,7 +67,9 @@ def pytest_configure(config):
         # ranks a test starts pick their own threads.
         import torch
 
-        torch.set_num_threads(worker_threads(usable_cores(), config.workerinput["workercount"]))
+        from grpo.provenance import usable_cores
+
+        torch.set_num_threads(worker_threads(len(usable_cores()), config.workerinput["workercount"]))
     if not _is_worker and config.getoption("dist", "no") == "loadgroup":
         import tempfile
 

@@ -158,9 +158,10 @@ def test_each_worker_computes_on_its_share_of_the_cores(request):
     thread): at full width each, the workers' threads waited on each other in OpenMP's barriers."""
     import torch
 
-    from conftest import usable_cores, worker_threads
+    from conftest import worker_threads
+    from grpo.provenance import usable_cores
 
     assert [worker_threads(2, n) for n in (1, 2, 3)] == [2, 1, 1] and worker_threads(16, 3) == 5
     workerinput = getattr(request.config, "workerinput", None)
     if workerinput is not None:  # make test and make test-quick run workers
-        assert torch.get_num_threads() == worker_threads(usable_cores(), workerinput["workercount"])
+        assert torch.get_num_threads() == worker_threads(len(usable_cores()), workerinput["workercount"])

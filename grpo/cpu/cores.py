@@ -23,6 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
+from grpo.provenance import usable_cores
+
 
 def parse_cpu_list(text: str) -> list[int]:
     """'0-2,5' -> [0, 1, 2, 5] (the Linux CPU list format VLLM_CPU_OMP_THREADS_BIND takes)."""
@@ -48,7 +50,7 @@ def engine_cores(requested: Optional[str], usable: Optional[list[int]] = None) -
     if requested:
         return requested
     if usable is None:
-        usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        usable = usable_cores()
     chosen = usable[len(usable) // 2:] if len(usable) >= 4 else usable
     return ",".join(map(str, chosen))
 

@@ -26,6 +26,7 @@ import torch
 
 from grpo.fsutil import fsync_dir, fsync_file, new_hasher, no_space, preallocate, replace_dir
 from grpo.models import drop_tied_lm_head
+from grpo.provenance import usable_cores
 from grpo.serving.weights_dir import (MANIFEST_FORMAT, MANIFEST_NAME, ST_DTYPES, WEIGHTS_FILE, WeightPushError,
                                       config_sources, take_spare, weights_dir_name)
 
@@ -60,8 +61,7 @@ def _header_bytes(tensors: dict[str, torch.Tensor], dtype: torch.dtype, metadata
 
 def copy_threads() -> int:
     """Threads for the writer's copies: all of this process's cores but the hash thread's."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(torch.get_num_threads(), cores - 1))
+    return max(1, min(torch.get_num_threads(), len(usable_cores()) - 1))
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype, hash_algo: str = "sha256",
