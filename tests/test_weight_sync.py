@@ -111,6 +111,25 @@ def pushed(tmp_path):
     return root, out
 
 
+def test_hash_check_threads_follow_this_process_cores_not_the_machines(pushed, monkeypatch):
+    """A server pinned to a few cores of a big machine hashes with those cores but one: the machine's
+    core count (os.cpu_count) would start more threads than the process may run."""
+    import grpo.serving.weights_check as weights_check
+
+    root, out = pushed
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # a big machine; this process keeps its own cores
+    threads_used = []
+    real_hash_file = weights_check.hash_file
+
+    def recording_hash_file(path, algo, threads=1):
+        threads_used.append(threads)
+        return real_hash_file(path, algo, threads=threads)
+
+    monkeypatch.setattr(weights_check, "hash_file", recording_hash_file)
+    check_hashes(check_weights_dir(out, root))
+    assert threads_used == [max(1, len(os.sched_getaffinity(0)) - 1)]
+
+
 def test_flipped_byte_fails_the_hash_only(pushed):
     root, out = pushed
     f = out / "model.safetensors"

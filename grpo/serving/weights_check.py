@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from grpo.fsutil import HASH_ALGOS, hash_file
+from grpo.provenance import usable_cores
 from grpo.serving.weights_dir import MANIFEST_FORMAT, MANIFEST_NAME, WeightPushError, read_safetensors, read_safetensors_header
 
 
@@ -86,8 +87,8 @@ def check_hashes(manifest: dict[str, Any]) -> None:
     """Recompute each listed file's hash; raises WeightPushError naming the first mismatch."""
     algo, real = manifest["hash"], Path(manifest["path"])
     for entry in manifest["files"]:
-        # all cores but one: the engine reloads on that one meanwhile
-        actual = hash_file(real / entry["name"], algo, threads=max(1, (os.cpu_count() or 1) - 1))
+        # all this process's cores but one: the engine reloads on that one meanwhile
+        actual = hash_file(real / entry["name"], algo, threads=max(1, len(usable_cores()) - 1))
         if actual != entry[algo]:
             raise WeightPushError(
                 f"{real / entry['name']}: {algo} mismatch (manifest {entry[algo][:16]}..., file {actual[:16]}...)")
