@@ -602,7 +602,9 @@ def plot_pushes(points: Points, design: design_lib.Design, out: Path, title: str
         versions = [{r["step"]: r["eval/weights_version"] for r in rows if plot.finite(r.get(PASS))
                      and plot.finite(r.get("eval/weights_version"))} for rows in runs]
         ys = [[f[j][1] for f in found] for j in range(len(at) + 1)]
-        mean_y = [sum(y) / len(y) for y in ys]
+        # the float mean of equal values can land an ulp outside them (0.231875 * 3 / 3): clamp it into
+        # [min, max], where the exact mean lies, so neither half of a bar is negative
+        mean_y = [min(max(sum(y) / len(y), min(y)), max(y)) for y in ys]
         bars = [[m - min(y) for m, y in zip(mean_y, ys)], [max(y) - m for m, y in zip(mean_y, ys)]]
         steps = [sum(f[j][0] for f in found) / len(found) for j in range(len(at) + 1)]
         pushed = [sum(v.get(f[j][0], math.nan) for v, f in zip(versions, found)) / len(found)

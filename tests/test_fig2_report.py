@@ -374,3 +374,15 @@ def test_the_v_sweep_compares_runs_at_the_end_and_lists_a_run_in_progress_apart(
     assert table[2:] == ["| 1 | 2 | 0.850 (0.800-0.900) | 50.0 | - |", "| 2 | 1 | 0.700 (0.700-0.700) | 25.0 | 20: 0.400 |"]
     report.plot_vsweep(by_v, tmp_path / "v.png", "v-sweep")
     assert (tmp_path / "v.png").stat().st_size > 0
+
+
+def test_a_part_way_sweep_whose_seeds_share_a_step_0_eval_is_plotted(tmp_path):
+    """Three seeds of each arm, all evaluating the one starting model to 0.231875 at step 0: their float
+    mean lies an ulp below that (0.231875 * 3 / 3), and the spread bar's lower half came out negative,
+    which matplotlib refuses. The mean of equal values is that value: the page and its figures are written."""
+    started = (10, 11, 12)
+    not_started = {f"{arm}-s{seed}": None for arm in standard() for seed in DESIGN.seeds if seed not in started}
+    sweep = write_sweep(tmp_path, {arm: rising(0.85, start=0.231875) for arm in standard()}, **not_started)
+    out = tmp_path / "page.md"
+    assert report.main(["--sweep", str(sweep), "--out", str(out)]) == 0
+    assert f"{3 * len(standard())} of {len(DESIGN.seeds) * len(standard())} runs of `fig2` counted" in out.read_text()
