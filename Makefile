@@ -52,14 +52,18 @@ VSWEEP := --point v2 grpo.v=2 --point v5 grpo.v=5 --point v20 grpo.v=20 eval_eve
 OBJECTIVES := --objective grpo --objective "exact: objective.ratio_anchor=exact" \
 	--objective "cispo: objective.loss=cispo objective.aggregation=token_mean objective.eps_low_is=1.0 objective.eps_high_is=0.28" \
 	--objective "tis: objective.is_correction=token_truncate objective.is_cap=2.0"
-SWEEP := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) scripts/sweep.py --config configs/cpu_fig2.yaml --prune-checkpoints
+# Each finished run's records (not its weights) are kept in FIG2_ARCHIVE, committed: a replicate spread over
+# machines that keep no disk restores the runs found there instead of running them (scripts/run_archive.py).
+FIG2_ARCHIVE := docs/fig2_runs
+SWEEP := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) scripts/sweep.py --config configs/cpu_fig2.yaml \
+	--prune-checkpoints --archive $(FIG2_ARCHIVE)
 REPLAY_RUN := runs/sweeps/fig2-cpu-2/v10-i1-s10
 replicate: install
 	$(PY) scripts/build_smollm2.py .cache/models/smollm2
 	$(SWEEP) --name fig2-cpu-2 --seeds $(FIG2_SEEDS) $(FIG2)
 	$(SWEEP) --name fig2-cpu-2-v --seeds $(VSWEEP_SEEDS) $(VSWEEP)
-	test -f $(REPLAY_RUN)/compare/compare.jsonl || $(PY) scripts/compare_objectives.py \
-		--run $(REPLAY_RUN) --follow $(OBJECTIVES)
+	test -f $(REPLAY_RUN)/compare/compare.jsonl || { $(PY) scripts/compare_objectives.py \
+		--run $(REPLAY_RUN) --follow $(OBJECTIVES) && cp -r $(REPLAY_RUN)/compare $(FIG2_ARCHIVE)/$(REPLAY_RUN:runs/sweeps/%=%)/; }
 	$(PY) scripts/fig2_report.py --design $(FIG2_DESIGN) --sweep runs/sweeps/fig2-cpu-2 \
 		--vsweep runs/sweeps/fig2-cpu-2-v --compare $(REPLAY_RUN)/compare --out docs/fig2_cpu.md
 

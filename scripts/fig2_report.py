@@ -19,7 +19,7 @@ band), <out>_lag.png (the off-policy instruments by lag inside a v-window) and <
     checkpoint (the comparisons at equal pushes that have no test), the per-arm table,
     v10-i1's instruments by lag, the v-sweep, the objectives' replay.
 
-A run is counted when it has finished (its final/ export), every start of it recorded
+A run is counted when it has finished (its final/ export, or the archive's record of it), every start of it recorded
 (provenance.jsonl, train.py) the replica's code commit with a clean checkout, and its config.yaml
 has the design's eval. The replica's commit is the one its earliest start recorded; a run of another
 commit, of a changed checkout, without provenance or with another eval is not counted, and the page
@@ -52,6 +52,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fig2_power as design_lib  # noqa: E402  (scripts/fig2_power.py: the design, its tests and statistics)
 import plot  # noqa: E402  (scripts/plot.py: the sweep's runs, curves and bands)
+import run_archive  # noqa: E402  (scripts/run_archive.py: a run finished here or archived)
 from fig2_power import t_quantile  # noqa: E402,F401  (the quantile the intervals use; tests read it here)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -339,7 +340,7 @@ def load_sweep(sweep_dir: Path, arms: dict[str, tuple[str, ...]], seeds: tuple[i
         metrics = run_dir / "metrics.jsonl"
         rows = plot.read_metrics(metrics) if metrics.is_file() and metrics.stat().st_size else []
         runs[run["point"], run["seed"]] = RunState(run["name"], run["point"], run["seed"], rows,
-                                                   (run_dir / "final").is_dir(), provenance.read(run_dir))
+                                                   run_archive.finished(run_dir), provenance.read(run_dir))
     return Sweep(sweep_dir, manifest, runs)
 
 

@@ -24,6 +24,9 @@ import math
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_archive  # noqa: E402  (scripts/run_archive.py: a run finished here or archived)
+
 import matplotlib
 
 matplotlib.use("Agg")  # no display on the machines this runs on
@@ -150,7 +153,8 @@ AXES = {"step": "optimizer step", "weights_version": "weight pushes"}
 
 
 def load_sweep(sweep_dir: Path, partial: bool = False) -> tuple[dict, dict[str, dict[int, list[dict]]]]:
-    """sweep.json and, per grid point, {seed: metrics rows} of the finished runs (final/ exported);
+    """sweep.json and, per grid point, {seed: metrics rows} of the finished runs (final/ exported, or
+    its archived record);
     with `partial`, of every run that has logged (its "final" pass@1 is then its latest)."""
     manifest_path = sweep_dir / "sweep.json"
     if not manifest_path.is_file():
@@ -159,7 +163,7 @@ def load_sweep(sweep_dir: Path, partial: bool = False) -> tuple[dict, dict[str, 
     points: dict[str, dict[int, list[dict]]] = {p["name"]: {} for p in manifest["points"]}
     for run in manifest["runs"]:
         path = sweep_dir / run["name"] / "metrics.jsonl"
-        finished = (sweep_dir / run["name"] / "final").is_dir()
+        finished = run_archive.finished(sweep_dir / run["name"])
         if path.is_file() and path.stat().st_size and (finished or partial):
             points[run["point"]][run["seed"]] = read_metrics(path)
     if not any(points.values()):

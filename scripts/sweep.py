@@ -17,6 +17,9 @@ dashboard aggregates the seeds of a point) and tags `sweep=<name>`, `point=<poin
 Runs go one after another. The sweep is resumable: a run whose `final/` export exists is done and
 skipped; a run with a complete checkpoint continues with `--resume`; a run that died before its
 first checkpoint is moved aside to `<run>.attempt-<n>/` (kept, not deleted) and starts again.
+With `--archive DIR`, each finished run's records (all but its weights and checkpoints) are copied
+to `DIR/<name>/<run>/` and the runs found there are restored instead of run: commit DIR, and a sweep
+spread over machines that keep no disk continues from the repository (scripts/run_archive.py).
 Killing the sweep kills the run in flight (it gets SIGTERM, checkpoints and exits); the next
 `sweep.py` with the same arguments continues where it stopped. `sweep.json` in the sweep
 directory records the points, seeds and runs (what scripts/plot.py reads); `logs/<run>.log` holds
@@ -41,6 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+import run_archive  # noqa: E402  (scripts/run_archive.py: a finished run's records, kept in the repository)
 
 SWEEP_FILE = "sweep.json"
 
@@ -141,9 +146,9 @@ def command(args, run: RunSpec, resume: bool, portable: bool = False) -> list[st
 
 
 def state(run_dir: Path, checkpoint) -> str:
-    """done (exported), resume (a complete checkpoint where the run's `checkpoint:` section puts
-    them), stale (started, nothing to resume), new."""
-    if (run_dir / "final").is_dir():
+    """done (exported, here or where its archived record comes from), resume (a complete checkpoint
+    where the run's `checkpoint:` section puts them), stale (started, nothing to resume), new."""
+    if run_archive.finished(run_dir):
         return "done"
     from grpo.checkpoint import Checkpointer
 
@@ -182,10 +187,16 @@ def prune_checkpoints(run_dir: Path, checkpoint) -> None:
 def execute(args, run: RunSpec, checkpoint, sweep_dir: Path, index: int, total: int) -> bool:
     run_dir = sweep_dir / run.name
     status = state(run_dir, checkpoint)
+    archive_dir = Path(args.archive) / sweep_dir.name if args.archive else None
+    if status != "done" and archive_dir and run_archive.archived(archive_dir, run.name):
+        if run_dir.exists():  # a start this machine did not finish: kept, as a stale run is
+            move_aside(run_dir)
+        run_archive.restore(archive_dir, run.name, sweep_dir)
+        print(f"[sweep] {index}/{total} {run.name}: finished elsewhere, restored from {archive_dir}", flush=True)
+        return True
     if status == "done":
         print(f"[sweep] {index}/{total} {run.name}: done, skipped", flush=True)
-        if args.prune_checkpoints:
-            prune_checkpoints(run_dir, checkpoint)
+        keep(args, run, checkpoint, sweep_dir, archive_dir)
         return True
     if status == "stale":
         print(f"[sweep] {index}/{total} {run.name}: no complete checkpoint, kept as {move_aside(run_dir).name}",
@@ -204,11 +215,24 @@ def execute(args, run: RunSpec, checkpoint, sweep_dir: Path, index: int, total: 
     seconds = time.monotonic() - t0
     ok = code == 0 and state(run_dir, checkpoint) == "done"
     record_attempt(sweep_dir, run, seconds, code)
-    if ok and args.prune_checkpoints:
-        prune_checkpoints(run_dir, checkpoint)
+    if ok:
+        keep(args, run, checkpoint, sweep_dir, archive_dir)
     print(f"[sweep] {index}/{total} {run.name}: {'finished' if ok else f'FAILED (exit {code})'} "
           f"in {seconds:.0f} s", flush=True)
     return ok
+
+
+def keep(args, run: RunSpec, checkpoint, sweep_dir: Path, archive_dir: Path | None) -> None:
+    """A finished run: its records into the archive (--archive; once, unless they are missing there),
+    then its checkpoints deleted (--prune-checkpoints)."""
+    from grpo.checkpoint import Checkpointer
+
+    run_dir = sweep_dir / run.name
+    if archive_dir and (run_dir / run_archive.FINAL).is_dir() and not run_archive.archived(archive_dir, run.name):
+        dest = run_archive.archive(sweep_dir, run.name, archive_dir, Checkpointer(checkpoint, run_dir).dir)
+        print(f"[sweep] {run.name}: records archived in {dest} (commit them)", flush=True)
+    if args.prune_checkpoints:
+        prune_checkpoints(run_dir, checkpoint)
 
 
 def record_attempt(sweep_dir: Path, run: RunSpec, seconds: float, code: int) -> None:
@@ -248,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc-per-node", type=int, default=1, help="torchrun processes per run (default 1)")
     ap.add_argument("--prune-checkpoints", action="store_true",
                     help="delete a run's checkpoints once it has finished (its final/ export and metrics stay)")
+    ap.add_argument("--archive", metavar="DIR", help="keep each finished run's records (not its weights or "
+                    "checkpoints) in DIR/NAME/, and restore from there the runs this machine does not have: a "
+                    "sweep spread over machines that do not keep their disks (scripts/run_archive.py)")
     ap.add_argument("--print", action="store_true", help="print one command per run instead of running them")
     ap.add_argument("--only", nargs="+", metavar="RUN", help="run only these runs (e.g. v10-i1-s2): one node of a "
                     "cluster job, with the same skip/resume logic")
