@@ -410,9 +410,16 @@ def test_a_seeded_batch_whose_client_hung_up_while_it_waited_leaves_the_engine_r
     t0 = time.monotonic()
     client().generate(prompts, **busy)
     alone = time.monotonic() - t0
+    # at most 128 sequences, the CPU server's max_num_seqs in vLLM: more would wait in its queue
+    copies = min(max(1, round(3 / max(alone, 0.1))), 128 // (len(prompts) * busy["n"]))
+    print(f"a plain batch alone: {alone:.2f} s; {copies} copies of it run while the seeded one waits")
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(lambda: client().generate(prompts * max(1, round(3 / max(alone, 0.1))), **busy))
-        time.sleep(0.5)  # the plain batch runs; the seeded one's pause now waits for it
+        running = pool.submit(lambda: client().generate(prompts * copies, **busy))
+        # Every sequence of the plain batch sampling (not a fixed sleep: on a loaded machine the batch
+        # was still queued after 0.5 s, the pause found nothing to wait for, and the seeded batch was
+        # answered at once); the seeded one's pause now waits for all of them.
+        assert _all_decoding(server, len(prompts) * copies * busy["n"], running), \
+            "the plain batch ended before it was seen sampling: nothing to test"
         with pytest.raises(ServerUnavailableError, match="no answer within"):
             client().request("POST", "/grpo/generate", timeout=1.0, retry=False, json_body={
                 "prompt_token_ids": prompts, "n": 2, "max_tokens": 4, "temperature": 1.0, "seed": 11})
@@ -1516,6 +1523,20 @@ def _engine_idle(server, within_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def _all_decoding(server, sequences: int, running, within_s: float = 120.0) -> bool:
+    """Wait until the engine samples all `sequences` of a batch (`running`, its future): each is counted
+    and past its prefill (no queued prompt tokens), so each has sampled a token and holds KV blocks, and a
+    pause in mode "wait" lets it finish on the weights it started with. False if the batch ended first."""
+    deadline = time.monotonic() + within_s
+    while not running.done():
+        load = server.load()
+        if load["requests"] >= sequences and load["queued_tokens"] == 0:
+            return True
+        assert time.monotonic() < deadline, f"the batch was not all sampling after {within_s:.0f} s: {load}"
+        time.sleep(0.02)
+    return False
+
+
 def _loaded(server, version: int, state_dict: dict, keep_requests: bool, weights_dir=None) -> dict:
     """The second half of a push (server.push writes first): the server loads an already written
     version (written here unless weights_dir is given), swapping the weights under in-flight
@@ -1621,12 +1642,21 @@ def test_a_push_without_keep_requests_lets_an_in_flight_generation_finish_on_its
     body = {"prompt_token_ids": tiny["prompt_ids"], "n": 4, "max_tokens": 200, "temperature": 0.7,
             "inflight_updates": True}
     _engine_idle(server)
-    with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(lambda: _client(server).request("POST", "/grpo/generate", json_body=body))
-        while server.load()["requests"] == 0:
-            time.sleep(0.05)
-        _loaded(server, old + 1, _perturbed(tiny["hf"], seed=34), keep_requests=False)
-        out = running.result(timeout=300)
+    for attempt in range(3):
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(lambda: _client(server).request("POST", "/grpo/generate", json_body=body))
+            # Pushed once every sequence samples: one still queued in the engine when the push's pause
+            # lands waits for the push and is sampled whole by the new weights (vLLM's PAUSED_NEW),
+            # as a request sent after the push is. Pushed at the first sign of the batch (a request
+            # counted by the server), a loaded machine left some queued, on version old + 1.
+            in_flight = _all_decoding(server, len(tiny["prompt_ids"]) * body["n"], running)
+            if in_flight:
+                _loaded(server, old + 1, _perturbed(tiny["hf"], seed=34), keep_requests=False)
+            out = running.result(timeout=300)
+        if in_flight:
+            break
+        print(f"attempt {attempt}: the generation ended before it was seen sampling")
+    assert in_flight, "in 3 attempts the generation never was in flight when the push came"
     assert all(c["version_spans"] == [[old, 0, len(c["token_ids"])]] for g in out["completions"] for c in g)
 
 
