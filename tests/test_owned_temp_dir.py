@@ -68,19 +68,25 @@ def test_what_a_killed_run_leaves_in_tmpdir_is_in_its_own_directory_which_the_ne
         line = proc.stdout.readline().split()
         assert len(line) == 3, (tmp_path / "child.err").read_text()[-3000:]
         own, child_file, child_tmp = map(Path, line)
-        deadline = time.time() + 60  # W&B's service starts in the background
+        deadline = time.time() + 300  # W&B's service starts in the background, slowly on a loaded machine
         while time.time() < deadline and not list(own.glob("wandb_symon-*.sock")):
             time.sleep(0.2)
+        made = sorted(p.name for p in own.iterdir())
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    time.sleep(1)  # the service's processes see their parent gone
     assert own.parent == short_tmp and re.match(rf"grpo-tmp-h[0-9a-f]{{8}}p{proc.pid}s", own.name)
     assert child_tmp == own and child_file.parent == own and child_file.is_file()  # the child used its parent's
+    # what the W&B SDK makes at import and its service's sockets: all made in the killed process's directory
+    assert any(n.startswith("wandb_symon-") for n in made), made
+    # W&B's service outlives the kill and removes its own sockets as it goes, 2-6 s later here (the
+    # check that ran 1 s after the kill failed on a loaded machine): wait for that, so that the listings
+    # below hold what stays
+    deadline = time.time() + 60
+    while time.time() < deadline and list(own.glob("wandb_symon-*.sock")):
+        time.sleep(0.2)
     left = sorted(p.name for p in own.iterdir())
-    # what the W&B SDK makes at import and its service's sockets: all in the killed process's directory
     assert any(n.endswith("wandb-media") for n in left) and any(n.endswith("wandb-artifacts") for n in left), left
-    assert any(n.startswith("wandb_symon-") for n in left), left
     # nothing else in TMPDIR itself but inductor's cache, kept there to be shared by runs
     assert all(p.name.startswith("torchinductor_") for p in short_tmp.iterdir() if p != own)
 
