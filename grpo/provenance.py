@@ -1,4 +1,4 @@
-"""What a run was made with: the code's commit (and whether the checkout had changes), the machine
+"""What a run was made with: the code's commit and tree (and whether the checkout had changes), the machine
 (CPU model, flags, cores; GPUs) and the command line, one JSON line per start of the run.
 
 train.py appends a line to <run_dir>/provenance.jsonl at every start, next to the resolved
@@ -34,15 +34,20 @@ def _git(root: Path, *args: str) -> Optional[str]:
 
 
 def code_state(root: Path = ROOT) -> dict:
-    """{"commit": the checkout's HEAD (None outside a git checkout), "dirty": whether tracked files
-    differ from it or files git does not ignore were added (None when unknown), "changed": those paths
-    (at most 20)}. Ignored paths (runs/, .cache/, .venv/) are not changes of the code."""
+    """{"commit": the checkout's HEAD (None outside a git checkout), "tree": HEAD's tree, the hash of
+    its files' contents, "dirty": whether tracked files differ from it or files git does not ignore
+    were added (None when unknown), "changed": those paths (at most 20)}. Ignored paths (runs/,
+    .cache/, .venv/) are not changes of the code. The tree outlives the commit: a branch squashed or
+    rebased onto main loses the commit a run recorded, and `git log --format='%H %T'` still finds
+    the commits with the same files."""
     head = _git(root, "rev-parse", "HEAD")
     if head is None:
-        return {"commit": None, "dirty": None, "changed": []}
+        return {"commit": None, "tree": None, "dirty": None, "changed": []}
+    tree = _git(root, "rev-parse", "HEAD^{tree}")
     status = _git(root, "status", "--porcelain", "--untracked-files=normal")
     changed = [line[3:] for line in (status or "").splitlines() if line.strip()]
-    return {"commit": head.strip(), "dirty": None if status is None else bool(changed), "changed": changed[:20]}
+    return {"commit": head.strip(), "tree": tree and tree.strip(), "dirty": None if status is None else bool(changed),
+            "changed": changed[:20]}
 
 
 def cpu_kind(flags: list[str]) -> str:

@@ -25,12 +25,19 @@ def test_the_commit_and_whether_the_checkout_changed(tmp_path):
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     (repo / "runs").mkdir()
     (repo / "runs" / "metrics.jsonl").write_text("{}\n")  # ignored: a run's outputs are not a change of the code
-    assert provenance.code_state(repo) == {"commit": head, "dirty": False, "changed": []}
+    tree = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD^{tree}"], capture_output=True,
+                          text=True).stdout.strip()
+    assert provenance.code_state(repo) == {"commit": head, "tree": tree, "dirty": False, "changed": []}
+    # the same files committed again (a squash, a rebase): another commit, the same tree
+    git(repo, "commit", "-q", "--amend", "-m", "squashed")
+    again = provenance.code_state(repo)
+    assert again["commit"] != head and again["tree"] == tree
     (repo / "train.py").write_text("print(2)\n")
     (repo / "new.py").write_text("")
     state = provenance.code_state(repo)
-    assert state["commit"] == head and state["dirty"] is True and sorted(state["changed"]) == ["new.py", "train.py"]
-    assert provenance.code_state(tmp_path / "not-a-checkout") == {"commit": None, "dirty": None, "changed": []}
+    assert state["commit"] == again["commit"] and state["dirty"] is True and sorted(state["changed"]) == ["new.py", "train.py"]
+    assert provenance.code_state(tmp_path / "not-a-checkout") == {"commit": None, "tree": None, "dirty": None,
+                                                                            "changed": []}
 
 
 def test_the_machine_from_cpuinfo():
