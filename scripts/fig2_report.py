@@ -357,8 +357,18 @@ def progress_of(sweep: Sweep, run: RunState) -> str:
 
 def replica_commit(sweeps: list[Sweep]) -> Optional[str]:
     """The commit the replica's earliest recorded start ran: every run must have run it."""
+    return _earliest_start(sweeps).get("commit")
+
+
+def replica_tree(sweeps: list[Sweep]) -> Optional[str]:
+    """The tree (the files' hash) of the replica's commit, as its earliest start recorded it (None
+    for a start from before provenance recorded trees)."""
+    return _earliest_start(sweeps).get("tree")
+
+
+def _earliest_start(sweeps: list[Sweep]) -> dict:
     starts = [s for sw in sweeps for run in sw.runs.values() for s in run.starts if s.get("commit")]
-    return min(starts, key=lambda s: s.get("started_unix", math.inf))["commit"] if starts else None
+    return min(starts, key=lambda s: s.get("started_unix", math.inf)) if starts else {}
 
 
 def check_runs(sweeps: list[Sweep], design: design_lib.Design, commit: Optional[str]) -> None:
@@ -403,18 +413,32 @@ class DesignHistory:
 
     commits: dict[str, list[tuple[str, int, str, str]]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    same_files: Optional[str] = None  # the commit of history read in place of a runs' commit missing from it
 
 
-def design_history(files: list[Path], commit: Optional[str], first_start: Optional[float]) -> DesignHistory:
+def commit_with_tree(tree: str) -> Optional[str]:
+    """The oldest commit of this repository's history whose files are `tree` (None if none is)."""
+    log = _git("log", "--all", "--reverse", "--format=%H %T") or ""
+    return next((h for h, t in (line.split() for line in log.splitlines()) if t == tree), None)
+
+
+def design_history(files: list[Path], commit: Optional[str], first_start: Optional[float],
+                   tree: Optional[str] = None) -> DesignHistory:
     """git's history of the design files at the runs' commit; a problem when a file is not committed
-    there or was changed after the first run started (the design was not fixed before the runs)."""
+    there or was changed after the first run started (the design was not fixed before the runs). A
+    runs' commit missing from the history (rewritten: squashed, rebased) is read at the commit that
+    has the same files, found by the tree the runs recorded (grpo/provenance.py)."""
     out = DesignHistory()
     if commit is None:
         out.problems.append("no run recorded a commit: the design's commit cannot be checked")
         return out
     if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
-        out.problems.append(f"the runs' commit {commit[:7]} is not in this repository's history")
-        return out
+        out.same_files = commit_with_tree(tree) if tree else None
+        if out.same_files is None:
+            out.problems.append(f"the runs' commit {commit[:7]} is not in this repository's history"
+                                + (f", nor is a commit with their files (tree {tree[:7]})" if tree else ""))
+            return out
+        commit = out.same_files
     for path in files:
         try:
             rel = path.resolve().relative_to(ROOT)
@@ -864,8 +888,10 @@ def provenance_lines(design: design_lib.Design, config: str, history: DesignHist
         lines.append(f"- **design not traceable**: {problem}")
     lines.append("- before it, the first replica (seeds 0-2, an eval of 40 x 4; underpowered, its verdicts "
                  "descriptive): " + "; ".join(f"{h} {what}" for h, what in FIRST_REPLICA))
+    same = (f"; not in this history, whose {history.same_files[:7]} has the same files (the tree the runs "
+            f"recorded), read in its place" if history.same_files else "")
     lines.append(f"- the runs' code commit: {commit or 'none recorded'} (every counted run's every start, a clean "
-                 f"checkout); machines: {machines(sweeps)}; started {dates[0] + ' to ' + dates[-1] if dates else 'never'}")
+                 f"checkout{same}); machines: {machines(sweeps)}; started {dates[0] + ' to ' + dates[-1] if dates else 'never'}")
     return lines
 
 
@@ -894,7 +920,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     first = min((s["started_unix"] for sw in sweeps for r in sw.runs.values() for s in r.starts
                  if s.get("started_unix")), default=None)
     config = sweep.manifest["config"]
-    history = design_history([design.path, ROOT / config], commit, first)
+    history = design_history([design.path, ROOT / config], commit, first, replica_tree(sweeps))
     planned = {p.test.id: p for p in design_lib.plan(design)}
     decided = [decide(t, sweep, design, planned) for t in design_lib.TESTS]
     claims = claim_verdicts(decided)

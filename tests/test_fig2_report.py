@@ -40,7 +40,7 @@ def pushes_at(arm: str, step: int, seed: int) -> int:
 
 
 def write_run(sweep: Path, arm: str, seed: int, f, *, finished=True, commit=HEAD, dirty=False, k=16,
-              provenance=True, started=None, last_step=None):
+              provenance=True, started=None, last_step=None, tree=None):
     """A run of `arm` at `seed` whose held-out pass@1 at step s is f(s); for v10-i1, train rows with the
     lag instruments."""
     run = sweep / f"{arm}-s{seed}"
@@ -74,7 +74,8 @@ def write_run(sweep: Path, arm: str, seed: int, f, *, finished=True, commit=HEAD
         start = time.time() if started is None else started
         line = {"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(start)), "started_unix": start,
                 "commit": commit, "dirty": dirty, "changed": ["train.py"] if dirty else [],
-                "machine": {"cpu": "AMD EPYC 7B13", "cpu_kind": "AVX2 only", "cores": 2, "usable_cores": 2}}
+                "machine": {"cpu": "AMD EPYC 7B13", "cpu_kind": "AVX2 only", "cores": 2, "usable_cores": 2},
+                **({"tree": tree} if tree else {})}
         (run / "provenance.jsonl").write_text(json.dumps(line) + "\n")
     return run
 
@@ -311,6 +312,30 @@ def test_runs_of_another_commit_a_changed_checkout_or_another_eval_are_not_count
     assert "76 of 80 runs of `fig2` counted" in page
     for test in ("b1", "k1", "d1", "c1"):
         assert f"- {test} missing: " in page
+
+
+def test_runs_whose_commit_left_the_history_are_read_at_the_commit_with_their_files(tmp_path):
+    # every run recorded a commit since rewritten (squashed, rebased): not in this history
+    lost = "fedcba9876543210fedcba9876543210fedcba98"
+    tree = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD^{tree}"], capture_output=True,
+                          text=True).stdout.strip()
+    same = report.commit_with_tree(tree)
+    assert same and subprocess.run(["git", "-C", str(ROOT), "rev-parse", f"{same}^{{tree}}"], capture_output=True,
+                                   text=True).stdout.strip() == tree
+    curves = standard()
+    for recorded, traceable in ((tree, True), ("0" * 40, False), (None, False)):
+        sweep = write_sweep(tmp_path / str(recorded), curves, **{
+            f"{arm}-s{seed}": {"commit": lost, "tree": recorded} for arm in curves for seed in DESIGN.seeds})
+        out = tmp_path / str(recorded) / "page.md"
+        assert report.main(["--sweep", str(sweep), "--out", str(out)]) == 0
+        page = out.read_text()
+        assert "80 of 80 runs of `fig2` counted" in page  # one commit for all: each run is the replica's
+        if traceable:
+            assert f"not in this history, whose {same[:7]} has the same files" in page
+            assert "design not traceable" not in page and "- `configs/designs/fig2_cpu.yaml` fixed by: " in page
+        else:
+            assert f"**design not traceable**: the runs' commit {lost[:7]} is not in this repository's history" in page
+            assert ("nor is a commit with their files (tree 0000000)" in page) == (recorded is not None)
 
 
 def test_a_design_changed_after_the_first_run_started_is_flagged(tmp_path):
