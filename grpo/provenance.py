@@ -40,14 +40,13 @@ def code_state(root: Path = ROOT) -> dict:
     .cache/, .venv/) are not changes of the code. The tree outlives the commit: a branch squashed or
     rebased onto main loses the commit a run recorded, and `git log --format='%H %T'` still finds
     the commits with the same files."""
-    head = _git(root, "rev-parse", "HEAD")
-    if head is None:
+    revs = _git(root, "rev-parse", "HEAD", "HEAD^{tree}")
+    if revs is None:
         return {"commit": None, "tree": None, "dirty": None, "changed": []}
-    tree = _git(root, "rev-parse", "HEAD^{tree}")
+    head, tree = revs.split()
     status = _git(root, "status", "--porcelain", "--untracked-files=normal")
     changed = [line[3:] for line in (status or "").splitlines() if line.strip()]
-    return {"commit": head.strip(), "tree": tree and tree.strip(), "dirty": None if status is None else bool(changed),
-            "changed": changed[:20]}
+    return {"commit": head, "tree": tree, "dirty": None if status is None else bool(changed), "changed": changed[:20]}
 
 
 def cpu_kind(flags: list[str]) -> str:
