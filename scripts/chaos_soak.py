@@ -66,6 +66,9 @@ SHORT_PLAN = (("rank1", "checkpoint"), ("server", "resume"), ("engine", "generat
 # repeated what the steps before it had compared (16 steps: 323 s in CI; 8: 252 s on a quiet 2-core machine)
 STEPS = {"short": (1, 4), "long": (2, 50)}
 POLL_S = 0.01  # how often the run's files and the engine's CPU time are looked at
+# the moments that last a fraction of a second, and the most a fault waits inside one (s): a random part of
+# the shortest such moment seen so far, at once the first time (see Soak.delay)
+SHORT_MOMENTS = {"checkpoint": 0.3, "push": 0.01, "generation": 0.3}
 TREE_EVERY_S = 0.5  # how often its process tree is walked (psutil scans every process)
 GONE_WITHIN_S = 90.0  # a killed attempt's processes, or a killed server's, must all be gone by then
 STOP_WITHIN_S = 120.0  # a rank's death must end the attempt by then (the run's lost-rank bound)
@@ -363,6 +366,7 @@ class Soak:
         self.attempts: list[Attempt] = []
         self.first_step_s: list[float] = []  # launch -> first new step, per attempt (the "resume" window)
         self.step_s = 3.0  # a step's seconds, measured as the run goes
+        self.moment_s: dict[str, float] = {}  # the shortest of each of SHORT_MOMENTS seen so far (s)
 
     # -- runs
     def env(self, name: str) -> dict:
@@ -431,9 +435,11 @@ class Soak:
             fault = self.next_fault(pending, fresh)
             if fault is None:
                 break
-            fired = self.fire_when_due(attempt, fault)
+            fired = self.fire_when_due(attempt, fault, more_to_come=len(pending) > 1)
             if not fired:  # the attempt ended before the fault's moment came
-                if attempt.proc.returncode == 0:
+                if attempt.proc.returncode == 0:  # the run is done: what is still planned can no longer come
+                    self.problems += [f"{f.kind} at {f.moment} never fired: the run ended before its moment"
+                                      for f in pending]
                     break
                 self.problems.append(f"attempt {attempt.index} ended (exit {attempt.proc.returncode}) with no fault: "
                                      f"{failure_cause(attempt.log_text())}")
@@ -451,38 +457,62 @@ class Soak:
                 attempt = self.launch()
         self.finish(attempt)
 
-    def fire_when_due(self, attempt: Attempt, fault: Fault) -> bool:
+    def fire_when_due(self, attempt: Attempt, fault: Fault, more_to_come: bool = False) -> bool:
         """Wait for the fault's moment in this attempt and inject it; False if the attempt ends first.
-        Once the moment is seen, the fault waits a random part of it (and the moment must still hold)."""
+        Once the moment is seen, the fault waits a random part of it (and the moment must still hold).
+        A fault that ends the run, with faults still to come, does not fire once the run has logged its
+        last step: the resumed attempt could have nothing left to run (the last checkpoint completes
+        when the killed rank had written its part), and the faults after it would never come."""
         moments = Moments(attempt)
         predicate: Callable[[], str] = {
             "checkpoint": moments.checkpoint, "push": moments.push, "generation": moments.generation,
             "resume": lambda: "before the first step of the resumed attempt" if moments.before_first_step() else "",
             "any": lambda: "a random moment",
         }[fault.moment]
-        window = {"checkpoint": 0.3, "push": 0.01, "generation": 0.3, "resume": self.first_step_estimate(),
-                  "any": 2 * self.step_s}[fault.moment]
-        seen_since, delay = None, self.rng.uniform(0, window)
+        holds_back = fault.kind in ENDS_THE_RUN and more_to_come
+        seen_since, delay = None, self.delay(fault.moment)
         while attempt.proc.poll() is None:
             attempt.walk()
             self.learn_timings(attempt)
             target = self.target(attempt, fault.kind)
+            if holds_back and max(attempt.step_log.steps(), default=0) >= self.final_step:
+                target = []
             evidence = predicate() if target else ""
             if target and fault.moment == "resume" and not evidence:  # its first step came already: now, then
                 evidence, delay = "at the first step of the resumed attempt", 0.0
             if not evidence:
+                if seen_since is not None and target and fault.moment in SHORT_MOMENTS:  # it ended before the delay
+                    self.saw_moment(fault.moment, time.monotonic() - seen_since)
                 seen_since = None
             else:
                 seen_since = seen_since or time.monotonic()
                 if time.monotonic() - seen_since >= delay:
-                    if fault.moment in ("checkpoint", "push", "generation"):
+                    if fault.moment in SHORT_MOMENTS:
                         evidence = predicate()  # still inside it?
                     if evidence:
                         self.inject(attempt, fault, target, evidence)
                         return True
-                    seen_since, delay = None, self.rng.uniform(0, window)  # it passed: wait for the next one
+                    self.saw_moment(fault.moment, time.monotonic() - seen_since)
+                    seen_since, delay = None, self.delay(fault.moment)  # it passed: wait for the next one
             time.sleep(POLL_S)
         return False
+
+    def delay(self, moment: str) -> float:
+        """How long a fault waits once its moment is seen. Inside one of SHORT_MOMENTS: a random part of
+        the shortest seen so far, and none the first time. A fixed 0.3 s draw outlasted the tiny model's
+        first checkpoint (about 0.2 s written): the rank kill fell on the run's last checkpoint instead,
+        and CI's soak ended with two of its three faults never fired."""
+        if moment in SHORT_MOMENTS:
+            seen = self.moment_s.get(moment)
+            return self.rng.uniform(0, min(SHORT_MOMENTS[moment], seen)) if seen is not None else 0.0
+        return self.rng.uniform(0, self.first_step_estimate() if moment == "resume" else 2 * self.step_s)
+
+    def saw_moment(self, moment: str, seconds: float) -> None:
+        self.moment_s[moment] = min(seconds, self.moment_s.get(moment, seconds))
+
+    @property
+    def final_step(self) -> int:
+        return self.stages * self.iterations * 2  # i = 2 optimizer steps per iteration (run_overrides)
 
     def target(self, attempt: Attempt, kind: str) -> list[psutil.Process]:
         """The processes the fault signals, when they exist now."""
@@ -585,7 +615,7 @@ class Soak:
     # -- the checks
     def compare(self, reference: Path, chaos: Path) -> None:
         ref_steps, chaos_steps = logged_steps(reference), logged_steps(chaos)
-        expected = list(range(1, self.stages * self.iterations * 2 + 1))
+        expected = list(range(1, self.final_step + 1))
         if ref_steps != expected:
             self.problems.append(f"the reference run logged steps {ref_steps[:5]}...{ref_steps[-5:]}, expected 1..{expected[-1]}")
         if chaos_steps != expected:
@@ -685,7 +715,7 @@ class Soak:
         by = collections.defaultdict(collections.Counter)
         for f in self.faults:
             by[f.kind][f.moment] += 1
-        print(f"\n[soak] {self.args.mode} mode, seed {self.args.seed}: {self.stages * self.iterations * 2} steps, "
+        print(f"\n[soak] {self.args.mode} mode, seed {self.args.seed}: {self.final_step} steps, "
               f"{len(self.faults)} faults over {len(self.attempts)} attempts, {wall:.0f} s")
         width = max(len(m) for m in MOMENTS)
         print("  kind      " + " ".join(m.rjust(width) for m in MOMENTS) + "  total")
@@ -708,7 +738,7 @@ class Soak:
         if getattr(self, "baseline_temp", None):
             print(f"  left in TMPDIR by every run, faults or not (not counted): {', '.join(self.baseline_temp)}")
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the processes the soak waited for, and theirs
-        summary = {"mode": self.args.mode, "seed": self.args.seed, "steps": self.stages * self.iterations * 2,
+        summary = {"mode": self.args.mode, "seed": self.args.seed, "steps": self.final_step,
                    "attempts": len(self.attempts), "faults": {k: dict(by[k]) for k in KINDS},
                    "faults_total": len(self.faults), "wall_s": round(wall, 1),
                    "cpu_s": round(usage.ru_utime + usage.ru_stime), "ok": not self.problems,

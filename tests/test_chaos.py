@@ -190,3 +190,64 @@ def test_an_attempt_that_fails_on_its_own_is_reported_by_its_exception_not_torch
         "rank 0 failed first: grpo.serving.client.InferenceServerError: POST http://127.0.0.1:1/grpo/weights/upload: "
         "HTTP 400: engine failed to load it: EngineDeadError")
     assert chaos_soak.failure_cause("one\ntwo\nthree\nfour") == "two | three | four"  # nothing better: its last lines
+
+
+def test_a_planned_fault_whose_moment_never_came_is_a_problem(tmp_path):
+    """CI's soak once printed ok with one of its three faults fired: the rank kill fell on the run's
+    last checkpoint, the resumed attempt had no step left, and the server's and the engine's faults
+    never came. A run that ends before a planned fault's moment now fails the soak, naming each one
+    (here the run is a process that ends at once, before any of its moments)."""
+    soak = chaos_soak.Soak(argparse.Namespace(mode="short", seed=0, steps=(1, 1), out=str(tmp_path), faults_per_kind=1))
+    soak.cmd = lambda name, resume: [sys.executable, "-c", "pass"]
+    try:
+        soak.chaos()
+    finally:
+        chaos_soak.shutil.rmtree(soak.tmp, ignore_errors=True)
+    assert soak.faults == []
+    assert soak.problems == [f"{kind} at {moment} never fired: the run ended before its moment"
+                             for kind, moment in chaos_soak.SHORT_PLAN]
+
+
+def test_a_short_moment_is_hit_at_once_the_first_time_then_at_a_random_part_of_the_shortest_seen():
+    """A fixed draw of up to 0.3 s outlasted the tiny model's first checkpoint (written in about
+    0.2 s), so the rank kill meant for it waited for the next one. The first time a short moment is
+    seen the fault fires at once; after that it waits a random part of the shortest such moment seen."""
+    soak = chaos_soak.Soak(argparse.Namespace(mode="long", seed=3, steps=(1, 1), out="unused", faults_per_kind=1))
+    chaos_soak.shutil.rmtree(soak.tmp, ignore_errors=True)
+    assert [soak.delay(m) for m in chaos_soak.SHORT_MOMENTS] == [0.0, 0.0, 0.0]
+    soak.saw_moment("checkpoint", 0.5)
+    soak.saw_moment("checkpoint", 0.18)
+    soak.saw_moment("checkpoint", 0.25)
+    soak.saw_moment("push", 0.4)
+    checkpoint = [soak.delay("checkpoint") for _ in range(200)]
+    push = [soak.delay("push") for _ in range(200)]
+    assert 0 <= min(checkpoint) and max(checkpoint) <= 0.18 and max(checkpoint) > 0.15  # spread over [0, 0.18]
+    assert max(push) <= chaos_soak.SHORT_MOMENTS["push"]  # never past the most a fault waits in one
+    assert soak.delay("generation") == 0.0  # still unseen
+    soak.step_s = 1.5
+    assert max(soak.delay("any") for _ in range(200)) > 2.0  # the longer moments: up to two steps
+
+
+@pytest.mark.torchrun  # a child process, SIGKILLed
+def test_a_rank_kill_with_faults_to_come_is_held_back_at_the_runs_last_checkpoint(tmp_path):
+    """Killed while the last checkpoint was written, a rank can have written its part already: the
+    checkpoint completes, the resumed attempt has nothing left to run, and the faults after it never
+    come. With faults still to come, a fault that ends the run is held back once the run has logged
+    its last step; the last fault of the plan is not. A child process named as rank 1 stands in."""
+    soak = chaos_soak.Soak(argparse.Namespace(mode="short", seed=0, steps=(1, 1), out=str(tmp_path), faults_per_kind=1))
+    chaos_soak.shutil.rmtree(soak.tmp, ignore_errors=True)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2.tmp").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2)))
+    assert soak.final_step == 2
+    rank1 = f"{sys.executable} -c 'import time; time.sleep(3)' train.py"
+    results = []
+    for more_to_come in (True, False):
+        attempt = chaos_soak.Attempt(0, ["sh", "-c", f"RANK=1 {rank1} & wait"], {"PATH": "/usr/bin:/bin"},
+                                     tmp_path / "attempt.log", run, resumed=False)
+        fault = chaos_soak.Fault("rank1", "checkpoint")
+        t0 = chaos_soak.time.monotonic()
+        results.append((soak.fire_when_due(attempt, fault, more_to_come=more_to_come), fault.seen))
+        attempt.proc.wait()
+        assert chaos_soak.time.monotonic() - t0 < 30
+    assert results == [(False, ""), (True, "writing step_2.tmp")]
