@@ -851,14 +851,19 @@ def replay_table(compare_dirs: list[Path]) -> str:
 # ---------------------------------------------------------------------------------------------
 # the page
 
-def wall_minutes(sweep_dir: Path, manifest: dict) -> float:
-    """Wall time of the sweep's runs (scripts/sweep.py's record of each run, summed)."""
-    total = 0.0
-    for run in manifest["runs"]:
-        record = sweep_dir / "logs" / f"{run['name']}.json"
-        if record.is_file():
-            total += json.loads(record.read_text())["wall_s"]
-    return total / 60
+def wall_minutes(sweep: Sweep) -> tuple[float, list[str]]:
+    """Wall time of the sweep's runs as scripts/sweep.py records them (each attempt that ended, summed),
+    and the runs started more often (provenance.jsonl: a line per start) than sweep.py saw an attempt
+    end: an attempt cut off with the sweep (a sitting's end, a lost machine), whose time is in no record,
+    or one running now."""
+    total, cut_off = 0.0, []
+    for run in sweep.runs.values():
+        record = sweep.dir / "logs" / f"{run.name}.json"
+        ended = json.loads(record.read_text()) if record.is_file() else {"wall_s": 0.0, "attempts": 0}
+        total += ended["wall_s"]
+        if len(run.starts) > ended["attempts"]:
+            cut_off.append(run.name)
+    return total / 60, cut_off
 
 
 def machines(sweeps: list[Sweep]) -> str:
@@ -955,7 +960,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         plot_vsweep(by_v, fig_v, "How far off policy: the same iterations at every v (descriptive)")
 
     command = "python scripts/fig2_report.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    wall = sum(wall_minutes(sw.dir, sw.manifest) for sw in sweeps)
+    walls = [wall_minutes(sw) for sw in sweeps]
+    wall, cut_off = sum(w for w, _ in walls), [name for _, names in walls for name in names]
     missing = [f"{r.name}: {r.why_not}" for r in sweep.runs.values() if not r.counted]
     page = [
         "# The CPU replica of Fig. 2: verdicts",
@@ -966,8 +972,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         "",
         f"- command: `{command}`",
         *provenance_lines(design, config, history, commit, sweeps),
-        f"- date: {time.strftime('%Y-%m-%d')}; wall time of the runs: {wall:.0f} min (every attempt, as "
-        "scripts/sweep.py records it)",
+        f"- date: {time.strftime('%Y-%m-%d')}; wall time of the runs: {wall:.0f} min (the attempts that ended, as "
+        "scripts/sweep.py records them" + (f"; not in it: an attempt that did not end under the sweep (cut off "
+                                           f"with it, or running now), in "
+                                           f"{', '.join(cut_off)}" if cut_off else "") + ")",
         "",
         "## The runs",
         "",
