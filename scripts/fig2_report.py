@@ -350,8 +350,7 @@ def progress_of(sweep: Sweep, run: RunState) -> str:
         return "not started"
     steps = [r["step"] for r in run.rows if plot.finite(r.get("step"))]
     where = f"at step {max(steps):g}" if steps else "before its first step"
-    record = sweep.dir / "logs" / f"{run.name}.json"
-    code = json.loads(record.read_text()).get("exit") if record.is_file() else None
+    code = run_archive.attempts(sweep.dir, run.name).get("exit")
     return f"failed (exit {code}) {where}" if code not in (None, 0) else f"stopped {where}"
 
 
@@ -858,8 +857,7 @@ def wall_minutes(sweep: Sweep) -> tuple[float, list[str]]:
     or one running now."""
     total, cut_off = 0.0, []
     for run in sweep.runs.values():
-        record = sweep.dir / "logs" / f"{run.name}.json"
-        ended = json.loads(record.read_text()) if record.is_file() else {"wall_s": 0.0, "attempts": 0}
+        ended = run_archive.attempts(sweep.dir, run.name)
         total += ended["wall_s"]
         if len(run.starts) > ended["attempts"]:
             cut_off.append(run.name)

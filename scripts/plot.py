@@ -265,9 +265,9 @@ def sweep_table(sweep_dir: Path, manifest: dict, points: dict[str, dict[int, lis
             steps.append(max((r["step"] for r in rows if finite(r["step"])), default=0))
             tvs.extend(r["tv_pik_alpha"] for r in train if finite(r.get("tv_pik_alpha")))
             clips.extend(r["clip_frac"] for r in train if finite(r.get("clip_frac")))
-            record = sweep_dir / "logs" / f"{run_names[point, seed]}.json"
-            if record.is_file():
-                walls.append(json.loads(record.read_text())["wall_s"] / 60)
+            record = run_archive.attempts(sweep_dir, run_names[point, seed])
+            if record["attempts"]:
+                walls.append(record["wall_s"] / 60)
 
         def mean(values, fmt):
             return format(sum(values) / len(values), fmt) if values else "n/a"

@@ -26,6 +26,18 @@ FINAL_RECORD = "final.json"  # the archive's record of it
 LEFT_OUT = (FINAL, "checkpoints", "wandb", "server")  # large, or one machine's (the server's log and token)
 
 
+def attempts_path(sweep_dir: Path, run: str) -> Path:
+    """logs/<run>.json: scripts/sweep.py's record of the run's attempts that ended (wall seconds summed,
+    how many, the last one's exit code); an attempt cut off with the sweep is in no record."""
+    return sweep_dir / "logs" / f"{run}.json"
+
+
+def attempts(sweep_dir: Path, run: str) -> dict:
+    """The run's attempts record; zero attempts where sweep.py has seen none end."""
+    path = attempts_path(sweep_dir, run)
+    return json.loads(path.read_text()) if path.is_file() else {"wall_s": 0.0, "attempts": 0}
+
+
 def finished(run_dir: Path) -> bool:
     """The run has exported its final weights: here (final/) or on the machine its record comes from."""
     return (run_dir / FINAL).is_dir() or (run_dir / FINAL_RECORD).is_file()
@@ -73,10 +85,10 @@ def archive(sweep_dir: Path, run: str, archive_dir: Path, checkpoint_dir: Path) 
     if dest.exists():
         shutil.rmtree(dest)
     os.replace(tmp, dest)
-    wall_time = sweep_dir / "logs" / f"{run}.json"  # sweep.py's record_attempt
+    wall_time = attempts_path(sweep_dir, run)
     if wall_time.is_file():
-        (archive_dir / "logs").mkdir(exist_ok=True)
-        shutil.copy2(wall_time, archive_dir / "logs" / wall_time.name)
+        attempts_path(archive_dir, run).parent.mkdir(exist_ok=True)
+        shutil.copy2(wall_time, attempts_path(archive_dir, run))
     manifest = sweep_dir / "sweep.json"
     if manifest.is_file():
         shutil.copy2(manifest, archive_dir / "sweep.json")
@@ -101,8 +113,8 @@ def restore(archive_dir: Path, run: str, sweep_dir: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
     os.replace(tmp, run_dir)
-    record = archive_dir / "logs" / f"{run}.json"
+    record = attempts_path(archive_dir, run)
     if record.is_file():
-        (sweep_dir / "logs").mkdir(exist_ok=True)
-        shutil.copy2(record, sweep_dir / "logs" / record.name)
+        attempts_path(sweep_dir, run).parent.mkdir(exist_ok=True)
+        shutil.copy2(record, attempts_path(sweep_dir, run))
     return run_dir

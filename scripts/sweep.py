@@ -238,10 +238,9 @@ def keep(args, run: RunSpec, checkpoint, sweep_dir: Path, archive_dir: Path | No
 def record_attempt(sweep_dir: Path, run: RunSpec, seconds: float, code: int) -> None:
     """logs/<run>.json: wall seconds summed over the run's attempts (scripts/plot.py's table); an
     attempt killed with the sweep is not counted, its checkpointed steps are not run again."""
-    path = sweep_dir / "logs" / f"{run.name}.json"
-    record = json.loads(path.read_text()) if path.is_file() else {"wall_s": 0.0, "attempts": 0}
+    record = run_archive.attempts(sweep_dir, run.name)
     record = {"wall_s": record["wall_s"] + seconds, "attempts": record["attempts"] + 1, "exit": code}
-    path.write_text(json.dumps(record) + "\n")
+    run_archive.attempts_path(sweep_dir, run.name).write_text(json.dumps(record) + "\n")
 
 
 def write_manifest(sweep_dir: Path, args, points: list[Point], runs: list[RunSpec]) -> None:
