@@ -851,10 +851,10 @@ def replay_table(compare_dirs: list[Path]) -> str:
 # the page
 
 def wall_minutes(sweep: Sweep) -> tuple[float, list[str]]:
-    """Wall time of the sweep's runs as scripts/sweep.py records them (each attempt that ended, summed),
-    and the runs started more often (provenance.jsonl: a line per start) than sweep.py saw an attempt
-    end: an attempt cut off with the sweep (a sitting's end, a lost machine), whose time is in no record,
-    or one running now."""
+    """Wall time of the sweep's runs as scripts/sweep.py records them (its attempts, summed), and the runs
+    started more often (provenance.jsonl: a line per start) than the record counts attempts: one running
+    now, or one cut off with the sweep (a sitting's end, a lost machine) that no record holds: sweep.py
+    counts it, to its log's last line, when the run starts again; records from before it did hold none."""
     total, cut_off = 0.0, []
     for run in sweep.runs.values():
         ended = run_archive.attempts(sweep.dir, run.name)
@@ -970,10 +970,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         "",
         f"- command: `{command}`",
         *provenance_lines(design, config, history, commit, sweeps),
-        f"- date: {time.strftime('%Y-%m-%d')}; wall time of the runs: {wall:.0f} min (the attempts that ended, as "
-        "scripts/sweep.py records them" + (f"; not in it: an attempt that did not end under the sweep (cut off "
-                                           f"with it, or running now), in "
-                                           f"{', '.join(cut_off)}" if cut_off else "") + ")",
+        f"- date: {time.strftime('%Y-%m-%d')}; wall time of the runs: {wall:.0f} min (each attempt as "
+        "scripts/sweep.py records it" + (f"; not in it: a start of the run the record does not count (an attempt "
+                                         f"cut off with the sweep, or running now), in "
+                                         f"{', '.join(cut_off)}" if cut_off else "") + ")",
         "",
         "## The runs",
         "",

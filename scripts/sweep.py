@@ -23,7 +23,7 @@ spread over machines that keep no disk continues from the repository (scripts/ru
 Killing the sweep kills the run in flight (it gets SIGTERM, checkpoints and exits); the next
 `sweep.py` with the same arguments continues where it stopped. `sweep.json` in the sweep
 directory records the points, seeds and runs (what scripts/plot.py reads); `logs/<run>.log` holds
-each run's output. Every run's config is checked before anything starts: a bad key or value is
+each run's output and `logs/<run>.json` its attempts' wall time (record_start, record_attempt). Every run's config is checked before anything starts: a bad key or value is
 one line naming it, exit 2.
 """
 from __future__ import annotations
@@ -206,6 +206,7 @@ def execute(args, run: RunSpec, checkpoint, sweep_dir: Path, index: int, total: 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"[sweep] {index}/{total} {run.name}: {'resuming' if status == 'resume' else 'starting'} "
           f"(log: {log_path})", flush=True)
+    record_start(sweep_dir, run, log_path)
     t0 = time.monotonic()
     with open(log_path, "ab") as log:
         log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
@@ -235,11 +236,27 @@ def keep(args, run: RunSpec, checkpoint, sweep_dir: Path, archive_dir: Path | No
         prune_checkpoints(run_dir, checkpoint)
 
 
-def record_attempt(sweep_dir: Path, run: RunSpec, seconds: float, code: int) -> None:
-    """logs/<run>.json: wall seconds summed over the run's attempts (scripts/plot.py's table); an
-    attempt killed with the sweep is not counted, its checkpointed steps are not run again."""
+def record_start(sweep_dir: Path, run: RunSpec, log_path: Path) -> None:
+    """Marks an attempt as running in logs/<run>.json (`running_since`). One still marked there when
+    the run starts again was cut off with its sweep (a sitting's end, a killed node) and never saw
+    record_attempt: it is counted now (`cut_off`), as having run until the last line it wrote to the
+    run's log (each attempt appends to it), so the wall time holds every attempt that ran."""
     record = run_archive.attempts(sweep_dir, run.name)
-    record = {"wall_s": record["wall_s"] + seconds, "attempts": record["attempts"] + 1, "exit": code}
+    since = record.pop("running_since", None)
+    if since is not None and log_path.is_file():
+        record["wall_s"] += max(0.0, log_path.stat().st_mtime - since)
+        record["attempts"] += 1
+        record["cut_off"] = record.get("cut_off", 0) + 1
+    record["running_since"] = time.time()
+    run_archive.attempts_path(sweep_dir, run.name).write_text(json.dumps(record) + "\n")
+
+
+def record_attempt(sweep_dir: Path, run: RunSpec, seconds: float, code: int) -> None:
+    """logs/<run>.json: wall seconds summed over the run's attempts (scripts/plot.py's table), how many,
+    how many of them were cut off (record_start), the last one's exit code."""
+    record = run_archive.attempts(sweep_dir, run.name)
+    record.pop("running_since", None)
+    record = {**record, "wall_s": record["wall_s"] + seconds, "attempts": record["attempts"] + 1, "exit": code}
     run_archive.attempts_path(sweep_dir, run.name).write_text(json.dumps(record) + "\n")
 
 

@@ -40,16 +40,16 @@ def pushes_at(arm: str, step: int, seed: int) -> int:
 
 
 def write_run(sweep: Path, arm: str, seed: int, f, *, finished=True, commit=HEAD, dirty=False, k=16,
-              provenance=True, started=None, last_step=None, tree=None, starts=1):
+              provenance=True, started=None, last_step=None, tree=None, starts=1, attempts=1):
     """A run of `arm` at `seed` whose held-out pass@1 at step s is f(s); for v10-i1, train rows with the
-    lag instruments. A finished run's last attempt ended under scripts/sweep.py (logs/<run>.json: 60 s);
-    `starts` > 1: the attempts before it were cut off with the sweep (a start each in provenance.jsonl)."""
+    lag instruments. A finished run's record (logs/<run>.json) counts `attempts` of 60 s in all; `starts` > 1:
+    the attempts before the last were cut off with the sweep (a start each in provenance.jsonl)."""
     run = sweep / f"{arm}-s{seed}"
     run.mkdir(parents=True)
     if finished:
         (run / "final").mkdir()
         (sweep / "logs").mkdir(exist_ok=True)
-        (sweep / "logs" / f"{run.name}.json").write_text(json.dumps({"wall_s": 60.0, "attempts": 1, "exit": 0}))
+        (sweep / "logs" / f"{run.name}.json").write_text(json.dumps({"wall_s": 60.0, "attempts": attempts, "exit": 0}))
     rows = []
     for step in eval_steps(arm, seed):
         if last_step is not None and step > last_step:
@@ -253,8 +253,8 @@ def test_the_page_decides_every_pre_set_test_from_complete_runs(tmp_path):
     assert len(decided["c1"].iv.diffs) == 10 and decided["c1"].planned.power == pytest.approx(0.838, abs=1e-3)
     page = out.read_text()
     assert "80 of 80 runs of `fig2` counted" in page
-    assert ("wall time of the runs: 82 min (the attempts that ended, as scripts/sweep.py records them; not in it: an "
-            "attempt that did not end under the sweep (cut off with it, or running now), in v2-s12)") in page
+    assert ("wall time of the runs: 82 min (each attempt as scripts/sweep.py records it; not in it: a start of the "
+            "run the record does not count (an attempt cut off with the sweep, or running now), in v2-s12)") in page
     assert f"| **{report.design_lib.CLAIMS['c']}** | | | | | | **holds** | | |" in page
     assert "| | c1: off-policy v10-i1 matches or beats v1-i1" in page and "| 10 of 10 |" in page
     assert f"the runs' code commit: {HEAD}" in page and "2 x AMD EPYC 7B13 (AVX2 only) (82 starts)" in page
@@ -281,16 +281,17 @@ def test_the_page_decides_every_pre_set_test_from_complete_runs(tmp_path):
 
 
 def test_the_wall_time_names_the_runs_whose_cut_off_attempt_it_does_not_hold(tmp_path):
-    """sweep.py records an attempt when it ends; one cut off with the sweep (the end of a sitting) leaves only
-    its start in provenance.jsonl, and the run resumes under a later sweep: the page's wall time holds 80
-    attempts of 60 s and names the run whose first attempt's time is in no record."""
-    sweep = write_sweep(tmp_path, standard(), **{"v1-i10-s13": {"starts": 2}})
+    """An attempt cut off with the sweep (the end of a sitting) leaves its start in provenance.jsonl; the run
+    resumes under a later sweep. v1-i10-s13's record counts only the attempt that ended (as sweep.py's
+    did before it counted cut-off attempts): named. lag1-s12's counts both (sweep.py's record_start): not
+    named. The page's wall time holds the records' 80 runs of 60 s."""
+    sweep = write_sweep(tmp_path, standard(), **{"v1-i10-s13": {"starts": 2}, "lag1-s12": {"starts": 2, "attempts": 2}})
     out = tmp_path / "page.md"
     assert report.main(["--sweep", str(sweep), "--out", str(out)]) == 0
     page = out.read_text()
     assert "80 of 80 runs of `fig2` counted" in page  # a resumed run counts: its every start is at the commit
-    assert ("wall time of the runs: 80 min (the attempts that ended, as scripts/sweep.py records them; not in it: "
-            "an attempt that did not end under the sweep (cut off with it, or running now), in v1-i10-s13)") in page
+    assert ("wall time of the runs: 80 min (each attempt as scripts/sweep.py records it; not in it: a start of the "
+            "run the record does not count (an attempt cut off with the sweep, or running now), in v1-i10-s13)") in page
 
 
 def test_a_missing_run_is_named_and_its_tests_wait_for_it(tmp_path):

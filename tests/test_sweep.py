@@ -126,6 +126,12 @@ def test_a_killed_2x2_sweep_continues_and_plots_bands(tmp_path, attached_server)
     # The killed run had no complete checkpoint yet: kept aside, not deleted, and run again.
     assert f"2/4 {runs[1]}: no complete checkpoint, kept as {runs[1]}.attempt-1" in second.stdout
     assert (sweep_dir / f"{runs[1]}.attempt-1").is_dir()
+    # Its wall time holds both attempts: the one killed with the sweep, to its log's last line, and the second.
+    seconds = float(second.stdout.split(f"2/4 {runs[1]}: finished in ")[1].split(" s")[0])
+    killed = json.loads((sweep_dir / "logs" / f"{runs[1]}.json").read_text())
+    assert killed["attempts"] == 2 and killed["cut_off"] == 1 and "running_since" not in killed
+    assert killed["wall_s"] > seconds - 0.5
+    assert json.loads((sweep_dir / "logs" / f"{runs[0]}.json").read_text())["attempts"] == 1
 
     manifest = json.loads((sweep_dir / "sweep.json").read_text())
     assert [r["name"] for r in manifest["runs"]] == runs
@@ -206,6 +212,30 @@ def test_the_table_finds_each_run_by_its_manifest_name(tmp_path):
             {"step": 1, "eval/pass@1": 0.25}]
     table = plot.sweep_table(sweep_dir, manifest, {"lr-small": {7: rows}})
     assert table.splitlines()[-1] == "| lr-small | 1 | 0.250 +- 0.000 | 1.0 | 1 | 2.5 | 1.00e-02 | 0.0000 |"
+
+
+def test_an_attempt_cut_off_with_the_sweep_is_counted_when_its_run_starts_again(tmp_path):
+    """The wall time holds every attempt: one cut off with its sweep (it never reached record_attempt)
+    is counted at the run's next start, as having run until its last log line (it was not counted at
+    all, so a run resumed after a sitting's end showed only its last attempt's time)."""
+    sweep_dir = tmp_path / "sw"
+    (sweep_dir / "logs").mkdir(parents=True)
+    run = sweep.RunSpec(name="a-s0", point="a", seed=0, overrides=[])
+    log = sweep_dir / "logs" / "a-s0.log"
+    record = sweep_dir / "logs" / "a-s0.json"
+
+    sweep.record_start(sweep_dir, run, log)  # the first attempt starts ...
+    since = json.loads(record.read_text())["running_since"]
+    log.write_text("step 1\n")
+    os.utime(log, (since + 95.0, since + 95.0))  # ... writes its last line 95 s later, and is cut off
+    sweep.record_start(sweep_dir, run, log)  # the sweep runs again
+    sweep.record_attempt(sweep_dir, run, 30.0, 0)  # ... and the second attempt ends after 30 s
+    assert json.loads(record.read_text()) == pytest.approx({"wall_s": 125.0, "attempts": 2, "cut_off": 1, "exit": 0})
+
+    # An attempt that ends leaves nothing marked: the next start counts nothing more.
+    sweep.record_start(sweep_dir, run, log)
+    sweep.record_attempt(sweep_dir, run, 5.0, 1)
+    assert json.loads(record.read_text()) == pytest.approx({"wall_s": 130.0, "attempts": 3, "cut_off": 1, "exit": 1})
 
 
 def test_a_run_whose_checkpoints_live_elsewhere_is_resumed_not_moved_aside(tmp_path):
