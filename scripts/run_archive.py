@@ -27,13 +27,13 @@ LEFT_OUT = (FINAL, "checkpoints", "wandb", "server")  # large, or one machine's 
 
 
 def attempts_path(sweep_dir: Path, run: str) -> Path:
-    """logs/<run>.json: scripts/sweep.py's record of the run's attempts that ended (wall seconds summed,
-    how many, the last one's exit code); an attempt cut off with the sweep is in no record."""
+    """logs/<run>.json: scripts/sweep.py's record of the run's attempts (wall seconds summed, how many,
+    how many were cut off with the sweep, the last one's exit code; record_start, record_attempt)."""
     return sweep_dir / "logs" / f"{run}.json"
 
 
 def attempts(sweep_dir: Path, run: str) -> dict:
-    """The run's attempts record; zero attempts where sweep.py has seen none end."""
+    """The run's attempts record; zero attempts where sweep.py has recorded none."""
     path = attempts_path(sweep_dir, run)
     return json.loads(path.read_text()) if path.is_file() else {"wall_s": 0.0, "attempts": 0}
 

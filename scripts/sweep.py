@@ -23,8 +23,9 @@ spread over machines that keep no disk continues from the repository (scripts/ru
 Killing the sweep kills the run in flight (it gets SIGTERM, checkpoints and exits); the next
 `sweep.py` with the same arguments continues where it stopped. `sweep.json` in the sweep
 directory records the points, seeds and runs (what scripts/plot.py reads); `logs/<run>.log` holds
-each run's output and `logs/<run>.json` its attempts' wall time (record_start, record_attempt). Every run's config is checked before anything starts: a bad key or value is
-one line naming it, exit 2.
+each run's output and `logs/<run>.json` its attempts' wall time (record_start, record_attempt).
+Every run's config is checked before anything starts: a bad key or value is one line naming it,
+exit 2.
 """
 from __future__ import annotations
 
