@@ -76,8 +76,8 @@ def _worker_main(fd: int, sources: dict[str, tuple[str, str, str]], setups: list
     """Worker loop on a socket: receive (key, term, completion), send (key, value, status, answer)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; close() ends us
     terms = load_terms(sources)
-    for setup in load_terms(dict(enumerate(setups))).values():  # slow imports, before saying ready,
-        setup()                                                # so that deadlines exclude them
+    for setup in load_terms(dict(enumerate(setups))).values():  # slow imports and first calls, before
+        setup()                                                # saying ready, so that deadlines exclude them
     settings = SimpleNamespace(**cfg)
     conn = multiprocessing.connection.Connection(fd)
     conn.send("ready")
@@ -130,7 +130,7 @@ class WorkerPool:
 
     sources: term name -> (module, file, function name) of every term a task may name (their modules
     are imported in each worker); setups: functions, named the same way, each worker runs before
-    it says ready (slow imports); cfg: the reward section as a plain dict (a term reads its knobs)."""
+    it says ready (slow imports, first-call set-up: outside every deadline); cfg: the reward section as a plain dict (a term reads its knobs)."""
 
     def __init__(self, workers: int, timeout_s: float, start_timeout_s: float, sources: dict, setups: list,
                  cfg: dict):

@@ -178,11 +178,59 @@ def test_adversarial_completions_time_out_and_pool_recovers(scorer):
 
 def test_tasks_queued_behind_a_stuck_one_are_rescored():
     # One worker: the two easy completions are queued behind the tower (pipelining), so when the
-    # worker is killed they must go back to the queue and be scored by its replacement.
-    with RewardScorer(RewardConfig(workers=1, timeout_s=1.5)) as s:
+    # worker is killed they must go back to the queue and be scored by its replacement. The deadline
+    # is the tower's; the replacement's first answer must fit in it on a loaded machine (CI scored
+    # it 0, a timeout, while a fresh worker's first answer still built math-verify's tables).
+    with RewardScorer(RewardConfig(workers=1, timeout_s=TIMEOUT_S)) as s:
         s.wait_ready()
         rewards, info = score(s, [r"\boxed{10^{10^{10^{10}}}}", r"\boxed{1}", r"\boxed{2}"], ["5", "1", "3"])
     assert rewards == [0.0, 1.0, 0.0] and info["timeouts"] == 1 and info["errors"] == 0
+
+
+_FIRST_ANSWER_WORK = """
+import sys
+from dataclasses import asdict
+from types import SimpleNamespace
+
+from grpo.rewards import CORRECT, TERMS, Completion, RewardConfig
+
+term, cfg = TERMS[CORRECT], SimpleNamespace(**asdict(RewardConfig()))
+term.setup()
+
+
+def calls(completion):
+    n = 0
+
+    def count(frame, event, arg):
+        nonlocal n
+        n += event == "call"
+
+    sys.setprofile(count)
+    try:
+        assert term.fn(completion, cfg).status == "ok"
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+print(*(calls(Completion(text, gold)) for text, gold in [(r"so \\boxed{7}", "7"), (r"so \\boxed{8}", "9")]))
+"""
+
+
+def test_a_fresh_workers_first_answer_costs_what_later_ones_do():
+    """The correctness term's setup runs before a worker says ready, outside every deadline. It used
+    to import math-verify only, and the first answer then compiled its regexes and built the LaTeX
+    parser's tables inside its deadline: 265847 Python calls against 6441 for the next one, enough
+    on a loaded machine to time out a replaced worker's first, correct, answer. Counted in calls,
+    not seconds, in a fresh interpreter as a worker is one."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path[:] = {sys.path!r}\n" + _FIRST_ANSWER_WORK],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, later = map(int, out.stdout.split())
+    assert first < 2 * later, (first, later)
 
 
 def test_killed_worker_is_replaced(scorer):
