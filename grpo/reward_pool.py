@@ -130,7 +130,8 @@ class WorkerPool:
 
     sources: term name -> (module, file, function name) of every term a task may name (their modules
     are imported in each worker); setups: functions, named the same way, each worker runs before
-    it says ready (slow imports, first-call set-up: outside every deadline); cfg: the reward section as a plain dict (a term reads its knobs)."""
+    it says ready (slow imports, first-call set-up: outside every deadline); cfg: the reward section
+    as a plain dict (a term reads its knobs)."""
 
     def __init__(self, workers: int, timeout_s: float, start_timeout_s: float, sources: dict, setups: list,
                  cfg: dict):

@@ -179,8 +179,8 @@ def test_adversarial_completions_time_out_and_pool_recovers(scorer):
 def test_tasks_queued_behind_a_stuck_one_are_rescored():
     # One worker: the two easy completions are queued behind the tower (pipelining), so when the
     # worker is killed they must go back to the queue and be scored by its replacement. The deadline
-    # is the tower's; the replacement's first answer must fit in it on a loaded machine (CI scored
-    # it 0, a timeout, while a fresh worker's first answer still built math-verify's tables).
+    # is the tower's; the replacement's first answer must fit in it on a loaded machine (CI once scored
+    # it 0, most likely a timeout while a fresh worker's first answer still built math-verify's tables).
     with RewardScorer(RewardConfig(workers=1, timeout_s=TIMEOUT_S)) as s:
         s.wait_ready()
         rewards, info = score(s, [r"\boxed{10^{10^{10^{10}}}}", r"\boxed{1}", r"\boxed{2}"], ["5", "1", "3"])
